@@ -1,0 +1,3 @@
+"""OpenForge's command line and the few things every part shares (errors, cache folders)."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""Kubernetes: the sidecar injector webhook, the rollout orchestrator and the kustomize manifests."""

@@ -1,0 +1,118 @@
+"""`forge serve` as a user runs it: clear one-line failures, and a clean stop that leaves no engine behind."""
+
+import contextlib
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from trainer.serve import PolicyServer, free_port
+
+FORGE = str(Path(sys.executable).parent / "forge")
+
+
+def run_forge(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+    return subprocess.run([FORGE, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_the_server_command_has_what_openforge_needs(tmp_path):
+    args = PolicyServer(model=tmp_path, port=1234, extra_args=["--seed", "3"]).command()
+    for flag in ("--enable-auto-tool-choice", "--enable-lora", "--enable-scale-out", "--enforce-eager"):
+        assert flag in args
+    assert args[args.index("--tool-call-parser") + 1] == "hermes"
+    assert args[-2:] == ["--seed", "3"]  # passed through after `--`, unchanged and last
+
+
+def test_long_contexts_are_allowed_past_the_native_length(tmp_path):
+    short = PolicyServer(model=tmp_path, run_dir=tmp_path, max_model_len=4096).environment()
+    long = PolicyServer(model=tmp_path, run_dir=tmp_path, max_model_len=16384).environment()
+    assert "VLLM_ALLOW_LONG_MAX_MODEL_LEN" not in short and long["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] == "1"
+    assert long["TMPDIR"].startswith(str(tmp_path)) and long["VLLM_SERVER_DEV_MODE"] == "1"
+
+
+def test_a_missing_model_folder_fails_at_once_in_one_line(tmp_path):
+    started = time.monotonic()
+    result = run_forge("serve", "--model", str(tmp_path / "missing"), "--port", str(free_port()))
+    assert time.monotonic() - started < 15
+    assert result.returncode == 2
+    assert (
+        result.stderr.count("\n") == 1 and "no model folder" in result.stderr and "Traceback" not in result.stderr
+    )
+
+
+def test_a_port_in_use_fails_at_once_in_one_line(prepared_model):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run_forge("serve", "--model", str(prepared_model.serve_dir), "--port", str(port))
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and f"port {port}" in result.stderr and "already in use" in result.stderr
+
+
+def processes() -> list[tuple[int, str, int, int]]:
+    """(pid, state, ppid, pgid) of every process, from /proc."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            found.append((int(entry.name), fields[0], int(fields[1]), int(fields[2])))
+    return found
+
+
+def children(pid: int) -> list[int]:
+    return [child for child, _, ppid, _ in processes() if ppid == pid]
+
+
+def group_members(pgid: int) -> list[int]:
+    return [pid for pid, state, _, group in processes() if group == pgid and state != "Z"]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_serve_prints_its_url_and_stops_cleanly_on_a_signal(prepared_model, signum):
+    port = free_port()
+    process = subprocess.Popen(
+        [FORGE, "serve", "--model", str(prepared_model.serve_dir), "--port", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    lines: queue.Queue[str] = queue.Queue()
+
+    def read_lines() -> None:
+        for line in process.stdout or []:
+            lines.put(line)
+
+    threading.Thread(target=read_lines, daemon=True).start()
+    engine_group = None
+    try:
+        deadline = time.monotonic() + 300
+        ready = ""
+        while not ready and time.monotonic() < deadline:
+            try:
+                line = lines.get(timeout=1)
+            except queue.Empty:
+                assert process.poll() is None, "forge serve exited before it was ready"
+                continue
+            ready = line if "policy server ready" in line else ""
+        assert f"http://127.0.0.1:{port}/v1" in ready
+        (engine_group,) = children(process.pid)  # the vLLM API server leads its own process group
+        assert len(group_members(engine_group)) >= 2, "expected the API server and its engine core"
+        process.send_signal(signum)
+        assert process.wait(timeout=60) == 0
+        assert group_members(engine_group) == [], "engine processes outlived forge serve"
+    finally:
+        if process.poll() is None:
+            process.kill()
+        if engine_group is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(engine_group, signal.SIGKILL)

@@ -1,0 +1,234 @@
+"""The policy server: vLLM (the CPU build here, `vllm` on GPUs) started with what OpenForge relies on.
+
+Token ids and logprobs come with every OpenAI-style answer (`return_token_ids`, `logprobs`); tool calls are
+parsed (hermes); LoRA adapters load at run time; the dev endpoints reload weights in place
+(`/collective_rpc reload_weights`); `--enable-scale-out` adds tokens-in generation. The server runs in its own
+environment (its transformers pin conflicts with veRL's), in its own process group, with its own TMPDIR and
+cache folder, so stopping it leaves no engine process and no litter behind.
+"""
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from forge.errors import ForgeError
+from forge.paths import cache_dir, repo_root
+from trainer.model import MARKER, MODEL_NAME
+
+NATIVE_CONTEXT = 8192  # SmolLM2's; longer needs VLLM_ALLOW_LONG_MAX_MODEL_LEN
+
+
+def policy_python() -> Path:
+    """The policy server environment's interpreter: $FORGE_POLICY_PYTHON, else the checkout's .venv-policy."""
+    if env := os.environ.get("FORGE_POLICY_PYTHON"):
+        return Path(env)
+    return repo_root() / ".venv-policy" / "bin" / "python"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def check_port_free(host: str, port: int) -> None:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: TIME_WAIT is not "in use"
+        try:
+            s.bind((host, port))
+        except OSError as error:
+            raise ForgeError(f"port {port} on {host} is already in use: pick another with --port") from error
+
+
+def check_model_dir(model: Path) -> None:
+    if not model.is_dir():
+        raise ForgeError(
+            f"no model folder at {model}: pass an HF checkpoint folder with --model, or run `forge model prepare`"
+        )
+    if not (model / "config.json").is_file():
+        raise ForgeError(f"{model} is not an HF checkpoint folder (no config.json): pass one with --model")
+
+
+def default_served_name(model: Path) -> str:
+    return MODEL_NAME if (model / MARKER).is_file() else model.name
+
+
+@dataclass
+class PolicyServer:
+    """One vLLM OpenAI-compatible server process; a context manager that starts and stops it."""
+
+    model: Path
+    port: int = 8000
+    host: str = "127.0.0.1"
+    max_model_len: int = 4096
+    served_model_name: str | None = None
+    extra_args: list[str] = field(default_factory=list)
+    kv_cache_gb: int = 1
+    enforce_eager: bool = True
+    python: Path | None = None
+    run_dir: Path | None = None
+    start_timeout: float = 300.0
+    process: subprocess.Popen | None = field(default=None, init=False, repr=False)
+
+    @property
+    def base_url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def openai_url(self) -> str:
+        return f"{self.base_url}/v1"
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or default_served_name(self.model)
+
+    @property
+    def log_path(self) -> Path:
+        assert self.run_dir is not None
+        return self.run_dir / "vllm.log"
+
+    def command(self) -> list[str]:
+        python = self.python or policy_python()
+        args = [
+            str(python), "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(self.model),
+            "--served-model-name", self.name,
+            "--host", self.host,
+            "--port", str(self.port),
+            "--max-model-len", str(self.max_model_len),
+            "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+            "--enable-lora", "--max-lora-rank", "8",
+            "--enable-scale-out",
+            "--disable-uvicorn-access-log",
+        ]  # fmt: skip
+        if self.enforce_eager:
+            args.append("--enforce-eager")
+        return args + list(self.extra_args)
+
+    def environment(self) -> dict[str, str]:
+        assert self.run_dir is not None
+        env = dict(os.environ)
+        env.update(
+            TMPDIR=str(self.run_dir / "tmp"),
+            VLLM_CACHE_ROOT=str(self.run_dir / "vllm-cache"),
+            VLLM_CPU_KVCACHE_SPACE=str(self.kv_cache_gb),
+            VLLM_SERVER_DEV_MODE="1",
+            VLLM_ALLOW_RUNTIME_LORA_UPDATING="True",
+            VLLM_NO_USAGE_STATS="1",
+            VLLM_DO_NOT_TRACK="1",
+            HF_HUB_OFFLINE="1",
+            TRANSFORMERS_OFFLINE="1",
+        )
+        if self.max_model_len > NATIVE_CONTEXT:
+            env["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
+        return env
+
+    def start(self, timeout: float | None = None) -> "PolicyServer":
+        """Start vLLM and wait until it answers `/v1/models`; on failure, stop it and say why (with its log)."""
+        timeout = timeout or self.start_timeout
+        python = self.python or policy_python()
+        check_model_dir(self.model)
+        check_port_free(self.host, self.port)
+        if not python.exists():
+            raise ForgeError(
+                f"no policy server environment at {python}: run `make env` (or set FORGE_POLICY_PYTHON)"
+            )
+        if self.run_dir is None:
+            self.run_dir = cache_dir() / "runs" / f"serve-{time.strftime('%Y%m%d-%H%M%S')}-{self.port}"
+        (self.run_dir / "tmp").mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(
+                self.command(), env=self.environment(), stdout=log, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, start_new_session=True,  # own process group: stop() reaches the engine
+            )  # fmt: skip
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                code = self.process.returncode
+                self.stop()
+                raise ForgeError(f"vLLM exited with code {code} while starting; its log:\n{self.log_tail()}")
+            if self.ready():
+                return self
+            time.sleep(0.5)
+        self.stop()
+        raise ForgeError(f"vLLM did not answer within {timeout:.0f} s; its log:\n{self.log_tail()}")
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.openai_url}/models", timeout=2) as answer:
+                return bool(answer.status == 200 and json.load(answer).get("data"))
+        except (OSError, ValueError):
+            return False
+
+    def log_tail(self, lines: int = 40) -> str:
+        if self.run_dir is None or not self.log_path.exists():
+            return "(no log)"
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM the whole process group (API server and engine core), SIGKILL what is left after ``timeout``."""
+        process, self.process = self.process, None
+        if process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout)
+            _kill_group(process.pid, timeout=5.0)
+            process.wait()
+        if self.run_dir is not None:
+            for scratch in ("tmp", "vllm-cache"):
+                shutil.rmtree(self.run_dir / scratch, ignore_errors=True)
+
+    def __enter__(self) -> "PolicyServer":
+        return self.start() if self.process is None else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _kill_group(pgid: int, timeout: float) -> None:
+    """Wait for the group's other members (engine processes) to exit after SIGTERM; SIGKILL them if they don't."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+def run_until_signalled(server: PolicyServer, echo=print) -> int:
+    """Run ``server`` in the foreground until SIGINT/SIGTERM (then stop it cleanly) or until it dies."""
+
+    def on_signal(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_signal)
+    try:
+        server.start()
+        echo(f"policy server ready: {server.openai_url} (model {server.name}; log {server.log_path})")
+        sys.stdout.flush()
+        assert server.process is not None
+        code = server.process.wait()
+        echo(f"forge: vLLM exited with code {code}; its log:\n{server.log_tail()}")
+        server.stop()
+        return code or 1
+    except KeyboardInterrupt:
+        echo("stopping the policy server")
+        server.stop()
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
