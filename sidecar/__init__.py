@@ -2,3 +2,5 @@
 
 Runs inside the sidecar environment (mitmproxy, pyarrow and the stdlib only); its CLI shell runs in the main one.
 """
+
+__version__ = "0.1.0"

@@ -33,9 +33,7 @@ def tokenizer(prepared_model: PreparedModel):
 
 
 @pytest.fixture(scope="session")
-def policy_server(
-    prepared_model: PreparedModel, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[PolicyServer]:
+def policy_server(prepared_model: PreparedModel, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PolicyServer]:
     """A real vLLM (CPU build) server with SmolLM2-135M-Instruct, as `forge serve` starts it."""
     server = PolicyServer(
         model=prepared_model.serve_dir, port=free_port(), max_model_len=4096,

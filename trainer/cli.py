@@ -40,9 +40,7 @@ def path_command(dtype: str, cache: Path | None) -> None:
 
 
 @click.command("serve")
-@click.option(
-    "--model", type=click.Path(path_type=Path), help="HF checkpoint folder (default: the prepared bf16)."
-)
+@click.option("--model", type=click.Path(path_type=Path), help="HF checkpoint folder (default: the prepared bf16).")
 @click.option("--port", type=int, default=8000, show_default=True)
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--max-model-len", type=int, default=4096, show_default=True)

@@ -141,9 +141,7 @@ class PolicyServer:
         check_model_dir(self.model)
         check_port_free(self.host, self.port)
         if not python.exists():
-            raise ForgeError(
-                f"no policy server environment at {python}: run `make env` (or set FORGE_POLICY_PYTHON)"
-            )
+            raise ForgeError(f"no policy server environment at {python}: run `make env` (or set FORGE_POLICY_PYTHON)")
         if self.run_dir is None:
             self.run_dir = cache_dir() / "runs" / f"serve-{time.strftime('%Y%m%d-%H%M%S')}-{self.port}"
         (self.run_dir / "tmp").mkdir(parents=True, exist_ok=True)

@@ -42,9 +42,7 @@ def test_a_missing_model_folder_fails_at_once_in_one_line(tmp_path):
     result = run_forge("serve", "--model", str(tmp_path / "missing"), "--port", str(free_port()))
     assert time.monotonic() - started < 15
     assert result.returncode == 2
-    assert (
-        result.stderr.count("\n") == 1 and "no model folder" in result.stderr and "Traceback" not in result.stderr
-    )
+    assert result.stderr.count("\n") == 1 and "no model folder" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_a_port_in_use_fails_at_once_in_one_line(prepared_model):

@@ -1,0 +1,392 @@
+"""OpenForge's mitmproxy addon: serve a harness's model calls from the policy and record them token by token.
+
+Run by `forge sidecar` as ``mitmdump -s sidecar/addon.py``. The hooks below are the table of contents:
+
+- ``requestheaders``: is this a model call (host and path)? If not, stream it through untouched, unrecorded.
+- ``request``: route it to the policy server, map the model name, ask for token ids and logprobs.
+- ``responseheaders``: stream SSE answers live, one event at a time, gathering ids and hiding them.
+- ``response``: hide the added fields from a whole answer; log the call record before the harness gets it.
+- ``error``: a client that hung up or an upstream that reset: record what was seen, marked truncated.
+
+Recording is fail-open: any exception in our code is logged and counted, and the harness's call goes on.
+"""
+
+import fnmatch
+import json
+import logging
+import os
+import sys
+import threading
+import time
+import urllib.request
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from mitmproxy import ctx, http
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # mitmdump loads this file as a script
+
+from sidecar import __version__ as SIDECAR_VERSION
+from sidecar.admin import AdminServer
+from sidecar.apis import openai
+from sidecar.metrics import Metrics
+from sidecar.prefix import PrefixIndex
+from sidecar.record import harness_from_user_agent
+from sidecar.redact import configured_secrets, redacted_json, scrub_text, secrets_in_headers
+from sidecar.sse import EventFramer, rewrite_event
+from sidecar.store import open_store
+from sidecar.writer import RecordWriter, now_us, pack_floats, pack_ids, sidecar_identity
+
+log = logging.getLogger("openforge.sidecar")
+EPISODE_HEADER = "x-forge-episode-id"
+TASK_HEADER = "x-forge-task-id"
+HOP_SECRETS = ("authorization", "x-api-key", "api-key")  # the policy server needs none of the harness's keys
+MAX_RECORDED_BODY = 4 << 20  # bodies bigger than this are recorded as a note, not copied
+
+
+@dataclass
+class Call:
+    """One model call in flight (kept in ``flow.metadata``)."""
+
+    call_id: str
+    api: str
+    episode_id: str
+    task_id: str | None
+    run_id: str
+    seq: int
+    started_at: int
+    model_requested: str | None = None
+    request_json: str | None = None
+    secrets: list[str] = field(default_factory=list)
+    added: openai.Additions | None = None
+    stream: openai.StreamState | None = None
+    framer: EventFramer | None = None
+    first_token_at: int | None = None
+    recorded: bool = False
+    error: str | None = None
+
+
+class Forge:
+    def __init__(self) -> None:
+        self.metrics = Metrics()
+        self.prefixes = PrefixIndex()
+        self.seq: dict[str, int] = {}
+        self.seq_lock = threading.Lock()
+        self.writer: RecordWriter | None = None
+        self.admin: AdminServer | None = None
+        self.policy_version: str | None = None
+        self.policy_model: str | None = None
+        self.model_hosts: set[str] = set()
+        self.model_map: list[tuple[str, str]] = []
+        self.upstream = urlparse("http://127.0.0.1:8000")
+        self.sidecar_id = ""
+        self.secrets: list[str] = []
+        self.stop = threading.Event()
+
+    # -- options and lifecycle ------------------------------------------------------------------------------
+    def load(self, loader: Any) -> None:
+        add = loader.add_option
+        add("forge_upstream", str, "http://127.0.0.1:8000", "The policy server (vLLM) that serves model calls.")
+        add("forge_store", str, "./forge-data", "Where records go: a folder or s3://bucket/prefix.")
+        add("forge_s3_endpoint", str, "", "Endpoint of an S3-compatible server (e.g. http://127.0.0.1:9000).")
+        add("forge_wal_dir", str, "./forge-wal", "Local write-ahead log folder (replayed at start).")
+        add("forge_episode_id", str, "", "Episode id of every call (else proxy user, header, or environment).")
+        add("forge_task_id", str, "", "Task id of every call.")
+        add("forge_run_id", str, "", "Run id of every call.")
+        add("forge_policy_model", str, "", "Served model name (default: the upstream's first model).")
+        add("forge_model_map", str, "*", "Comma-separated PATTERN[=MODEL]: requested names served by MODEL.")
+        add("forge_policy_version", str, "", "Fixed policy version (default: polled from /weight_info).")
+        add("forge_model_hosts", str, "api.openai.com", "Comma-separated hosts whose model paths are intercepted.")
+        add("forge_admin_port", int, 0, "Loopback port of the admin endpoint (POST /reward, GET /metrics); 0: off.")
+        add("forge_flush_rows", int, 2000, "Close a WAL segment after this many records.")
+        add("forge_flush_bytes", int, 64 << 20, "Close a WAL segment after this many bytes.")
+        add("forge_flush_seconds", str, "5.0", "Close a WAL segment after this many seconds.")
+        add("forge_max_wal_bytes", int, 4 << 30, "Bound of the WAL on disk; past it new records are dropped.")
+
+    def running(self) -> None:
+        o = ctx.options
+        self.upstream = urlparse(o.forge_upstream)
+        self.model_hosts = {h.strip().lower() for h in o.forge_model_hosts.split(",") if h.strip()}
+        self.model_hosts.add(self.upstream.netloc.lower())
+        self.model_map = [
+            (pattern.strip(), target.strip())
+            for pattern, _, target in (p.partition("=") for p in o.forge_model_map.split(","))
+        ]
+        self.secrets = configured_secrets()
+        wal_dir = Path(o.forge_wal_dir)
+        self.sidecar_id = sidecar_identity(wal_dir)
+        store = open_store(o.forge_store, o.forge_s3_endpoint or None)
+        self.writer = RecordWriter(
+            wal_dir, store, self.sidecar_id, self.metrics, max_rows=o.forge_flush_rows, max_bytes=o.forge_flush_bytes,
+            max_age_s=float(o.forge_flush_seconds), max_disk_bytes=o.forge_max_wal_bytes,
+        ).start()  # fmt: skip
+        self.policy_model = o.forge_policy_model or None
+        self.policy_version = o.forge_policy_version or None
+        threading.Thread(target=self._watch_policy, name="forge-policy", daemon=True).start()
+        if o.forge_admin_port:
+            self.admin = AdminServer(("127.0.0.1", o.forge_admin_port), self.writer, self.metrics).start()
+        log.info("OpenForge sidecar %s: upstream %s, store %s", self.sidecar_id, o.forge_upstream, store.uri)
+
+    def done(self) -> None:
+        """SIGTERM/SIGINT: flush everything to the store before exiting."""
+        self.stop.set()
+        if self.admin:
+            self.admin.stop()
+        if self.writer:
+            self.writer.close(timeout_s=15.0)
+
+    def _watch_policy(self) -> None:
+        """Keep the served model name and the policy version current (the trainer bumps it on each publish)."""
+        base = f"{self.upstream.scheme}://{self.upstream.netloc}"
+        while not self.stop.is_set():
+            try:
+                if not ctx.options.forge_policy_model:
+                    with urllib.request.urlopen(f"{base}/v1/models", timeout=2) as answer:
+                        self.policy_model = json.load(answer)["data"][0]["id"]
+                if not ctx.options.forge_policy_version:
+                    with urllib.request.urlopen(f"{base}/weight_info", timeout=2) as answer:
+                        self.policy_version = str(json.load(answer).get("weight_version"))
+                self.metrics.set("upstream_up", 1)
+            except Exception:
+                self.metrics.set("upstream_up", 0)
+            self.stop.wait(2.0)
+
+    # -- hooks ----------------------------------------------------------------------------------------------
+    def requestheaders(self, flow: http.HTTPFlow) -> None:
+        try:
+            api = self._model_api(flow)
+        except Exception:
+            api = None
+        if api is None:
+            flow.request.stream = True  # not a model call: straight through, never buffered or recorded
+            return
+        flow.metadata["forge_api"] = api
+
+    def request(self, flow: http.HTTPFlow) -> None:
+        api = flow.metadata.get("forge_api")
+        if api is None:
+            return
+        try:
+            self._begin(flow, api)
+        except Exception as error:  # fail open: the call goes on unrecorded
+            self._internal_error("request", error)
+
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        call: Call | None = flow.metadata.get("forge_call")
+        assert flow.response is not None
+        if call is None:
+            if "forge_api" not in flow.metadata:
+                flow.response.stream = True
+            return
+        is_sse = "text/event-stream" in flow.response.headers.get("content-type", "")
+        if call.added and call.added.stream and is_sse and not flow.response.headers.get("content-encoding"):
+            call.stream = openai.StreamState(call.added)
+            call.framer = EventFramer()
+            flow.response.stream = lambda data: self._on_stream_data(flow, call, data)
+
+    def response(self, flow: http.HTTPFlow) -> None:
+        call: Call | None = flow.metadata.get("forge_call")
+        if call is None or call.recorded:
+            return
+        try:
+            self._finish(flow, call)
+        except Exception as error:
+            self._internal_error("response", error)
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        call: Call | None = flow.metadata.get("forge_call")
+        if call is None or call.recorded:
+            return
+        try:
+            reason = flow.error.msg if flow.error else "connection error"
+            call.error = scrub_text(reason, call.secrets)
+            status = "truncated" if call.stream is not None else "error"
+            self._record(flow, call, status=status, sampled=call.stream.sampled if call.stream else None)
+        except Exception as error:
+            self._internal_error("error", error)
+
+    # -- the work -------------------------------------------------------------------------------------------
+    def _model_api(self, flow: http.HTTPFlow) -> str | None:
+        if flow.request.method != "POST":
+            return None
+        mode = flow.client_conn.proxy_mode
+        reverse = type(mode).__name__ == "ReverseMode"
+        host = (flow.request.pretty_host or "").lower()
+        if not reverse and host not in self.model_hosts and f"{host}:{flow.request.port}" not in self.model_hosts:
+            return None
+        return openai.api_for_path(flow.request.path)
+
+    def _identity(self, flow: http.HTTPFlow) -> tuple[str, str | None, str]:
+        o = ctx.options
+        proxy_user = (flow.metadata.get("proxyauth") or (None,))[0]
+        episode = (
+            o.forge_episode_id
+            or proxy_user
+            or flow.request.headers.get(EPISODE_HEADER)
+            or os.environ.get("FORGE_EPISODE_ID")
+            or os.environ.get("POD_UID")
+            or f"{self.sidecar_id}-default"
+        )
+        task = o.forge_task_id or flow.request.headers.get(TASK_HEADER) or os.environ.get("FORGE_TASK_ID") or None
+        run = o.forge_run_id or os.environ.get("FORGE_RUN_ID") or "default"
+        return episode, task, run
+
+    def _begin(self, flow: http.HTTPFlow, api: str) -> None:
+        episode, task, run = self._identity(flow)
+        with self.seq_lock:
+            seq = self.seq.get(episode, 0)
+            self.seq[episode] = seq + 1
+        call = Call(
+            call_id=uuid.uuid4().hex, api=api, episode_id=episode, task_id=task, run_id=run, seq=seq,
+            started_at=int(flow.request.timestamp_start * 1e6),
+            secrets=secrets_in_headers(flow.request.headers) + self.secrets,
+        )  # fmt: skip
+        flow.metadata["forge_call"] = call
+        for name in (EPISODE_HEADER, TASK_HEADER, *HOP_SECRETS):
+            flow.request.headers.pop(name, None)
+        if key := os.environ.get("FORGE_UPSTREAM_API_KEY"):
+            flow.request.headers["authorization"] = f"Bearer {key}"
+        self._route(flow)
+        try:
+            flow.request.decode(strict=True)  # vLLM reads no gzip/br/zstd bodies: send them on decoded
+            content = flow.request.raw_content
+            body = json.loads(content or b"")
+            if not isinstance(body, dict):
+                raise ValueError("the body is not a JSON object")
+        except ValueError as error:  # malformed JSON, non-JSON content type, undecodable encoding
+            call.error = f"request is not a JSON object ({type(error).__name__}); passed through unchanged"
+            call.request_json = json.dumps(
+                {"note": "unparsable request", "bytes": len(flow.request.raw_content or b"")}
+            )
+            return
+        size = len(content or b"")
+        # The record keeps the request as the harness sent it (redacted), not as the upstream got it.
+        call.request_json = (
+            redacted_json(body, call.secrets)
+            if size <= MAX_RECORDED_BODY
+            else json.dumps({"note": "request body too large to copy", "bytes": size})
+        )
+        call.model_requested = body.get("model")
+        served = self._served_model(call.model_requested)
+        if served:
+            body["model"] = served
+        call.added = openai.prepare_request(api, body)
+        flow.request.content = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+
+    def _route(self, flow: http.HTTPFlow) -> None:
+        upstream = self.upstream
+        flow.request.scheme = upstream.scheme or "http"
+        flow.request.host = upstream.hostname or "127.0.0.1"
+        flow.request.port = upstream.port or (443 if upstream.scheme == "https" else 80)
+        flow.request.headers["host"] = upstream.netloc
+
+    def _served_model(self, requested: str | None) -> str | None:
+        for pattern, target in self.model_map:
+            if fnmatch.fnmatchcase(requested or "", pattern):
+                return target or self.policy_model
+        return None
+
+    def _on_stream_data(self, flow: http.HTTPFlow, call: Call, data: bytes) -> list[bytes]:
+        """One piece of the upstream's SSE body in; what the harness gets now out (never held past an event)."""
+        assert call.framer is not None and call.stream is not None
+        try:
+            if data == b"":  # end of the body
+                rest = call.framer.rest()
+                if not call.recorded:
+                    self._record(
+                        flow, call, status="ok" if call.stream.done else "truncated", sampled=call.stream.sampled
+                    )
+                return [rest] if rest else []
+            out = []
+            for event in call.framer.feed(data):
+                if call.first_token_at is None:
+                    call.first_token_at = now_us()
+                rewritten = rewrite_event(event, call.stream.on_event)
+                if call.stream.done and not call.recorded:
+                    # The record is logged before [DONE] reaches the harness: delivered means recorded.
+                    self._record(flow, call, status="ok", sampled=call.stream.sampled)
+                if rewritten is not None:
+                    out.append(rewritten)
+            return out
+        except Exception as error:  # never break the stream because recording failed
+            self._internal_error("stream", error)
+            call.recorded = True
+            return [data]
+
+    def _finish(self, flow: http.HTTPFlow, call: Call) -> None:
+        response = flow.response
+        assert response is not None
+        if call.stream is not None:  # streamed: recorded at [DONE] or at the end of the body
+            return
+        if response.status_code >= 400:
+            call.error = scrub_text((response.get_text(strict=False) or "")[:2000], call.secrets)
+            self._record(flow, call, status="upstream_error")
+            return
+        if call.added is None:
+            self._record(flow, call, status="error")
+            return
+        try:
+            answer = json.loads(response.get_content(strict=True) or b"")
+        except ValueError:
+            call.error = "the upstream's answer is not JSON"
+            self._record(flow, call, status="error")
+            return
+        sampled = openai.sampled_from_response(call.api, answer)
+        openai.strip_response(answer, call.added)
+        call.first_token_at = int((response.timestamp_start or time.time()) * 1e6)
+        self._record(flow, call, status="ok", sampled=sampled, response_json=redacted_json(answer, call.secrets))
+        response.content = json.dumps(answer, ensure_ascii=False, separators=(",", ":")).encode()
+
+    def _record(
+        self, flow: http.HTTPFlow, call: Call, status: str, sampled: openai.Sampled | None = None,
+        response_json: str | None = None,
+    ) -> None:  # fmt: skip
+        call.recorded = True
+        assert self.writer is not None
+        if sampled is not None and status == "ok" and (sampled.prompt_ids is None or not sampled.completion_ids):
+            status, call.error = "error", "the upstream returned no token ids"
+        if sampled is not None and sampled.n_choices > 1:
+            call.error = f"n={sampled.n_choices}: only choice 0 is recorded"
+        prompt = pack_ids(sampled.prompt_ids) if sampled and sampled.prompt_ids is not None else None
+        completion = pack_ids(sampled.completion_ids) if sampled else None
+        parent, prefix_len = (None, 0)
+        if prompt is not None:
+            parent, prefix_len = self.prefixes.split(call.episode_id, prompt)
+            if status == "ok" and completion is not None:
+                self.prefixes.remember(call.episode_id, call.call_id, prompt + completion)
+        if response_json is None and call.stream is not None:
+            response_json = redacted_json(call.stream.summary(), call.secrets)
+        user_agent = flow.request.headers.get("user-agent")
+        row = {
+            "call_id": call.call_id, "episode_id": call.episode_id, "task_id": call.task_id, "run_id": call.run_id,
+            "seq": call.seq, "api": call.api, "stream": bool(call.added and call.added.stream),
+            "host": flow.request.host_header or flow.request.pretty_host, "path": flow.request.path.split("?", 1)[0],
+            "model_requested": call.model_requested, "model_served": sampled.model if sampled else None,
+            "policy_version": self.policy_version, "started_at": call.started_at,
+            "first_token_at": call.first_token_at, "finished_at": now_us(), "status": status,
+            "http_status": flow.response.status_code if flow.response else None,
+            "finish_reason": sampled.finish_reason if sampled else None, "error": call.error,
+            "parent_call_id": parent, "prefix_len": prefix_len,
+            "prompt_suffix_ids": prompt[prefix_len * 4 :] if prompt is not None else None,
+            "prompt_len": len(prompt) // 4 if prompt is not None else None,
+            "completion_token_ids": completion,
+            "completion_logprobs": pack_floats(sampled.logprobs) if sampled else None,
+            "request_json": call.request_json, "response_json": response_json,
+            "usage": json.dumps(sampled.usage) if sampled and sampled.usage else None,
+            "harness": harness_from_user_agent(user_agent),
+            "user_agent": scrub_text(user_agent, call.secrets) if user_agent else None,
+            "sidecar_id": self.sidecar_id, "sidecar_version": SIDECAR_VERSION,
+        }  # fmt: skip
+        if self.writer.append("calls", row):
+            self.metrics.inc(f'calls_total{{status="{status}"}}')
+
+    def _internal_error(self, where: str, error: Exception) -> None:
+        self.metrics.inc("internal_errors_total")
+        log.error("recording failed in %s (%s: %s); the call went on unrecorded", where, type(error).__name__,
+                  scrub_text(str(error), self.secrets))  # fmt: skip
+
+
+addons = [Forge()]

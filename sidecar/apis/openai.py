@@ -1,0 +1,182 @@
+"""OpenAI Chat Completions and Completions as vLLM serves them: ask for the sampled ids, record them, hide them.
+
+The upstream request gains ``return_token_ids``, ``logprobs`` and, when streaming, ``stream_options.include_usage``;
+the answer the harness gets loses exactly what those added (the ids, the logprobs, the usage chunk) unless the
+harness asked for them itself. Everything else is the upstream's, byte for byte where nothing was removed.
+"""
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+CHAT_PATHS = ("/v1/chat/completions", "/chat/completions")
+COMPLETIONS_PATHS = ("/v1/completions", "/completions")
+
+
+def api_for_path(path: str) -> str | None:
+    path = path.split("?", 1)[0].rstrip("/")
+    if path.endswith(CHAT_PATHS):
+        return "chat"
+    if path.endswith(COMPLETIONS_PATHS):
+        return "completions"
+    return None
+
+
+@dataclass
+class Additions:
+    """What the sidecar added to a request, so it can take exactly that out of the answer."""
+
+    api: str
+    stream: bool
+    harness_ids: bool  # the harness asked for return_token_ids itself
+    harness_logprobs: bool
+    harness_usage: bool  # streaming: the harness asked for the usage chunk
+
+
+def prepare_request(api: str, body: dict[str, Any]) -> Additions:
+    """Add what token-exact recording needs to ``body`` (in place)."""
+    stream = bool(body.get("stream"))
+    added = Additions(
+        api=api,
+        stream=stream,
+        harness_ids=bool(body.get("return_token_ids")),
+        harness_logprobs=body.get("logprobs") not in (None, False),
+        harness_usage=bool((body.get("stream_options") or {}).get("include_usage")),
+    )
+    body["return_token_ids"] = True
+    if not added.harness_logprobs:
+        body["logprobs"] = True if api == "chat" else 0  # completions: 0 = the sampled token's logprob only
+    if stream:
+        body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+    return added
+
+
+def _clear(obj: dict[str, Any], key: str) -> None:
+    if key in obj:  # vLLM always writes these keys, null when not asked for
+        obj[key] = None
+
+
+def strip_choice(choice: dict[str, Any], added: Additions) -> None:
+    if not added.harness_ids:
+        _clear(choice, "token_ids")
+        _clear(choice, "prompt_token_ids")
+    if not added.harness_logprobs:
+        _clear(choice, "logprobs")
+
+
+def strip_response(answer: dict[str, Any], added: Additions) -> None:
+    """Undo in a whole (non-streamed) answer what ``prepare_request`` made the upstream add."""
+    if not added.harness_ids:
+        _clear(answer, "prompt_token_ids")
+    for choice in answer.get("choices") or []:
+        strip_choice(choice, added)
+
+
+def choice_logprobs(api: str, choice: dict[str, Any]) -> list[float]:
+    logprobs = choice.get("logprobs") or {}
+    if api == "chat":
+        return [float(entry["logprob"]) for entry in logprobs.get("content") or []]
+    return [float(x) for x in logprobs.get("token_logprobs") or []]
+
+
+@dataclass
+class Sampled:
+    """The token-level view of one answer (choice 0): what the record keeps."""
+
+    prompt_ids: list[int] | None = None
+    completion_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: dict[str, Any] | None = None
+    model: str | None = None
+    n_choices: int = 0
+
+
+def sampled_from_response(api: str, answer: dict[str, Any]) -> Sampled:
+    choices = answer.get("choices") or []
+    first = next((c for c in choices if c.get("index", 0) == 0), choices[0] if choices else {})
+    prompt_ids = answer.get("prompt_token_ids") or first.get("prompt_token_ids")
+    return Sampled(
+        prompt_ids=list(prompt_ids) if prompt_ids is not None else None,
+        completion_ids=list(first.get("token_ids") or []),
+        logprobs=choice_logprobs(api, first),
+        finish_reason=first.get("finish_reason"),
+        usage=answer.get("usage"),
+        model=answer.get("model"),
+        n_choices=len(choices),
+    )
+
+
+class StreamState:
+    """Gathers ids and logprobs from SSE chunks and strips them from each chunk on its way to the harness."""
+
+    def __init__(self, added: Additions) -> None:
+        self.added = added
+        self.sampled = Sampled()
+        self.text: list[str] = []
+        self.tool_calls: dict[int, dict[str, Any]] = {}
+        self.done = False  # saw [DONE]
+        self.events = 0
+
+    def on_event(self, data: str) -> str | None:
+        """One SSE ``data:`` payload in; the payload to send on (None: drop the event)."""
+        self.events += 1
+        if data.strip() == "[DONE]":
+            self.done = True
+            return data
+        try:
+            chunk = json.loads(data)
+        except ValueError:
+            return data  # not ours to judge: pass it on as it came
+        if not isinstance(chunk, dict):
+            return data
+        self._gather(chunk)
+        if "error" in chunk and "choices" not in chunk:
+            return data
+        if not self.added.harness_usage and not chunk.get("choices") and chunk.get("usage") is not None:
+            return None  # the usage chunk exists only because we asked for it
+        if not self.added.harness_ids:
+            _clear(chunk, "prompt_token_ids")
+        for choice in chunk.get("choices") or []:
+            strip_choice(choice, self.added)
+        return json.dumps(chunk, ensure_ascii=False, separators=(",", ":"))
+
+    def _gather(self, chunk: dict[str, Any]) -> None:
+        sampled = self.sampled
+        sampled.model = sampled.model or chunk.get("model")
+        if chunk.get("prompt_token_ids") is not None:
+            sampled.prompt_ids = list(chunk["prompt_token_ids"])
+        if chunk.get("usage"):
+            sampled.usage = chunk["usage"]
+        for choice in chunk.get("choices") or []:
+            sampled.n_choices = max(sampled.n_choices, choice.get("index", 0) + 1)
+            if choice.get("index", 0) != 0:
+                continue
+            if choice.get("prompt_token_ids") is not None and sampled.prompt_ids is None:
+                sampled.prompt_ids = list(choice["prompt_token_ids"])
+            sampled.completion_ids += choice.get("token_ids") or []
+            sampled.logprobs += choice_logprobs(self.added.api, choice)
+            if choice.get("finish_reason"):
+                sampled.finish_reason = choice["finish_reason"]
+            delta = choice.get("delta") or {}
+            piece = delta.get("content") if self.added.api == "chat" else choice.get("text")
+            if piece:
+                self.text.append(piece)
+            for call in delta.get("tool_calls") or []:
+                slot = self.tool_calls.setdefault(call.get("index", 0), {"id": None, "name": "", "arguments": ""})
+                slot["id"] = slot["id"] or call.get("id")
+                function = call.get("function") or {}
+                slot["name"] += function.get("name") or ""
+                slot["arguments"] += function.get("arguments") or ""
+
+    def summary(self) -> dict[str, Any]:
+        """The streamed answer reassembled, for ``response_json``."""
+        out: dict[str, Any] = {
+            "stream": True,
+            "model": self.sampled.model,
+            "finish_reason": self.sampled.finish_reason,
+        }
+        out["text" if self.added.api == "completions" else "content"] = "".join(self.text)
+        if self.tool_calls:
+            out["tool_calls"] = [self.tool_calls[i] for i in sorted(self.tool_calls)]
+        return out

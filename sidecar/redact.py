@@ -1,0 +1,65 @@
+"""Secrets never reach a record or a log: credentials are never copied, and their values are scrubbed from
+anything that is (request and response bodies), wherever a harness put them."""
+
+import base64
+import binascii
+import json
+import os
+import re
+from typing import Any
+
+SECRET_HEADERS = frozenset(
+    {"authorization", "proxy-authorization", "x-api-key", "api-key", "cookie", "set-cookie", "x-goog-api-key",
+     "openai-organization", "openai-project", "x-codex-turn-metadata", "chatgpt-account-id"}
+)  # fmt: skip
+SECRET_KEYS = re.compile(r"(?i)^(api[-_]?key|secret|password|token|access[-_]?token|authorization)$")
+REDACTED = "[REDACTED]"
+MIN_SECRET_LEN = 6  # shorter values would scrub ordinary words
+
+
+def configured_secrets() -> list[str]:
+    """Values the operator says are secret: FORGE_SECRETS (comma-separated) and the upstream API key."""
+    values = [v for v in os.environ.get("FORGE_SECRETS", "").split(",") if v]
+    if key := os.environ.get("FORGE_UPSTREAM_API_KEY"):
+        values.append(key)
+    return values
+
+
+def secrets_in_headers(headers: Any) -> list[str]:
+    """Credential values a request carries (whole header values, bearer tokens, basic-auth passwords)."""
+    found = []
+    for name, value in headers.items():
+        if name.lower() not in SECRET_HEADERS or not value:
+            continue
+        found.append(value)
+        scheme, _, credential = value.partition(" ")
+        if credential:
+            found.append(credential)
+            if scheme.lower() == "basic":
+                try:
+                    _user, _, password = (
+                        base64.b64decode(credential, validate=True).decode("utf-8", "replace").partition(":")
+                    )
+                    found.append(password)  # the user name is the episode id in regular mode: not a secret
+                except (binascii.Error, ValueError):
+                    pass
+    return found
+
+
+def scrub_text(text: str, secrets: list[str]) -> str:
+    for secret in sorted({s for s in secrets if len(s) >= MIN_SECRET_LEN}, key=len, reverse=True):
+        text = text.replace(secret, REDACTED)
+    return text
+
+
+def scrub_json(value: Any) -> Any:
+    """A copy of a JSON value with secret-named keys' values replaced."""
+    if isinstance(value, dict):
+        return {k: REDACTED if SECRET_KEYS.match(str(k)) and v else scrub_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [scrub_json(v) for v in value]
+    return value
+
+
+def redacted_json(value: Any, secrets: list[str]) -> str:
+    return scrub_text(json.dumps(scrub_json(value), ensure_ascii=False, separators=(",", ":")), secrets)

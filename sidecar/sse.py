@@ -1,0 +1,54 @@
+"""Server-sent events cut out of a byte stream as they complete, so each can be passed on at once.
+
+mitmproxy hands a streaming body over in arbitrary pieces; an event may be split across pieces or several may
+share one. Only complete events are rewritten; an unchanged event goes on byte for byte.
+"""
+
+import re
+from collections.abc import Callable
+
+_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
+
+
+class EventFramer:
+    def __init__(self) -> None:
+        self.buffer = b""
+
+    def feed(self, data: bytes) -> list[bytes]:
+        """Append ``data``; return the events it completed, each with its blank-line terminator."""
+        self.buffer += data
+        events, start = [], 0
+        for end in _END.finditer(self.buffer):
+            events.append(self.buffer[start : end.end()])
+            start = end.end()
+        self.buffer = self.buffer[start:]
+        return events
+
+    def rest(self) -> bytes:
+        """Bytes of an unfinished event (the stream ended inside it)."""
+        rest, self.buffer = self.buffer, b""
+        return rest
+
+
+def rewrite_event(raw: bytes, on_data: Callable[[str], str | None]) -> bytes | None:
+    """Run ``on_data`` over an event's data; keep its other fields; None drops the event."""
+    body = raw.rstrip(b"\r\n")
+    terminator = raw[len(body) :]
+    lines = re.split(rb"\r\n|\n|\r", body)
+    data_lines = [line for line in lines if line.startswith(b"data:")]
+    if not data_lines:
+        return raw
+    data = "\n".join(line[5:].removeprefix(b" ").decode("utf-8", "replace") for line in data_lines)
+    new = on_data(data)
+    if new is None:
+        return None
+    if new == data:
+        return raw
+    out, replaced = [], False
+    for line in lines:
+        if not line.startswith(b"data:"):
+            out.append(line)
+        elif not replaced:
+            out.extend(b"data: " + part.encode() for part in new.split("\n"))
+            replaced = True
+    return b"\n".join(out) + terminator

@@ -1,0 +1,143 @@
+"""Fixtures that start the real sidecar (`forge sidecar`: mitmdump with the addon, from the sidecar env)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from bench.fake_upstream import FakeUpstream
+from trainer.serve import free_port
+
+FORGE = str(Path(sys.executable).parent / "forge")
+START_TIMEOUT_S = 30.0
+
+
+@dataclass
+class Sidecar:
+    process: subprocess.Popen
+    port: int
+    admin_port: int
+    store: str
+    wal_dir: Path
+    log_path: Path
+    args: list[str] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def metrics(self) -> dict[str, float]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}/metrics", timeout=5) as answer:
+            lines = answer.read().decode().splitlines()
+        return {
+            name.removeprefix("forge_sidecar_"): float(value) for name, value in (line.rsplit(" ", 1) for line in lines)
+        }
+
+    def post_admin(self, path: str, payload: object) -> tuple[int, dict]:
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.admin_port}{path}", data=json.dumps(payload).encode(), method="POST"
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=5) as answer:
+                return answer.status, json.load(answer)
+        except urllib.error.HTTPError as error:
+            return error.code, json.load(error)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+    def kill9(self) -> None:
+        os.kill(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+
+
+class SidecarFactory:
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.started: list[Sidecar] = []
+
+    def __call__(
+        self, upstream: str, *, mode: str = "reverse", store: str | None = None, wal_dir: Path | None = None,
+        port: int | None = None, extra: tuple[str, ...] = (), env: dict[str, str] | None = None,
+        episode_id: str | None = "episode-1",
+    ) -> Sidecar:  # fmt: skip
+        n = len(self.started)
+        store = store or str(self.tmp_path / "store")
+        wal_dir = wal_dir or self.tmp_path / f"wal-{n}"
+        port, admin_port = port or free_port(), free_port()
+        args = [
+            FORGE, "sidecar", "--mode", f"reverse:{upstream}" if mode == "reverse" else mode,
+            "--listen-port", str(port), "--upstream", upstream, "--store", store, "--wal-dir", str(wal_dir),
+            "--admin-port", str(admin_port), "--flush-seconds", "0.3", *extra,
+        ]  # fmt: skip
+        if episode_id:
+            args += ["--episode-id", episode_id]
+        log_path = self.tmp_path / f"sidecar-{n}.log"
+        with log_path.open("ab") as log:
+            process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        sidecar = Sidecar(process, port, admin_port, store, wal_dir, log_path, args)
+        self.started.append(sidecar)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                pytest.fail(f"forge sidecar exited with {process.returncode}:\n{sidecar.log()}")
+            try:
+                sidecar.metrics()
+                return sidecar
+            except OSError:
+                time.sleep(0.1)
+        sidecar.stop()
+        pytest.fail(f"forge sidecar did not start within {START_TIMEOUT_S} s:\n{sidecar.log()}")
+
+    def stop_all(self) -> None:
+        for sidecar in self.started:
+            sidecar.stop()
+
+
+@pytest.fixture
+def start_sidecar(tmp_path: Path) -> Iterator[SidecarFactory]:
+    factory = SidecarFactory(tmp_path)
+    yield factory
+    factory.stop_all()
+
+
+@pytest.fixture
+def fake_upstream() -> Iterator[FakeUpstream]:
+    with FakeUpstream() as upstream:
+        yield upstream
+
+
+def wait_for(condition, timeout: float = 20.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def read_calls(store: str, where: str = "true", s3_endpoint: str | None = None) -> list[dict]:
+    """The calls view (whole prompts rebuilt) as dicts, ordered by episode and seq."""
+    from collector.sql import connect
+
+    con = connect(store, s3_endpoint)
+    return con.execute(f"SELECT * FROM calls WHERE {where} ORDER BY episode_id, seq").arrow().read_all().to_pylist()
