@@ -365,6 +365,7 @@ class Forge:
             "seq": call.seq, "api": call.api, "stream": bool(call.added and call.added.stream),
             "host": flow.request.host_header or flow.request.pretty_host, "path": flow.request.path.split("?", 1)[0],
             "model_requested": call.model_requested, "model_served": sampled.model if sampled else None,
+            "response_id": sampled.response_id if sampled else None,
             "policy_version": self.policy_version, "started_at": call.started_at,
             "first_token_at": call.first_token_at, "finished_at": now_us(), "status": status,
             "http_status": flow.response.status_code if flow.response else None,

@@ -34,6 +34,7 @@ CALL_SCHEMA = pa.schema(
         pa.field("path", pa.string()),
         pa.field("model_requested", pa.string()),
         pa.field("model_served", pa.string()),
+        pa.field("response_id", pa.string()),
         pa.field("policy_version", pa.string()),
         pa.field("started_at", pa.timestamp("us", tz="UTC")),
         pa.field("first_token_at", pa.timestamp("us", tz="UTC")),

@@ -52,3 +52,46 @@ def vllm(policy_server: PolicyServer) -> Iterator[httpx.Client]:
     """A plain HTTP client on the policy server (raw JSON, so no SDK hides or adds fields)."""
     with httpx.Client(base_url=policy_server.base_url, timeout=120.0) as client:
         yield client
+
+
+class S3Server:
+    """moto's S3-API server on a loopback port; stop() and start() keep its buckets (moto's state is per process)."""
+
+    bucket = "forge-test"
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.server = None
+        self.env = {
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        from moto.server import ThreadedMotoServer
+
+        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+        self.server.start()
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+
+@pytest.fixture
+def s3_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[S3Server]:
+    import boto3
+
+    server = S3Server()
+    for name, value in server.env.items():
+        monkeypatch.setenv(name, value)
+    server.start()
+    boto3.client("s3", endpoint_url=server.endpoint).create_bucket(Bucket=server.bucket)
+    yield server
+    server.stop()

@@ -89,6 +89,7 @@ class Sampled:
     finish_reason: str | None = None
     usage: dict[str, Any] | None = None
     model: str | None = None
+    response_id: str | None = None
     n_choices: int = 0
 
 
@@ -103,6 +104,7 @@ def sampled_from_response(api: str, answer: dict[str, Any]) -> Sampled:
         finish_reason=first.get("finish_reason"),
         usage=answer.get("usage"),
         model=answer.get("model"),
+        response_id=answer.get("id"),
         n_choices=len(choices),
     )
 
@@ -144,6 +146,7 @@ class StreamState:
     def _gather(self, chunk: dict[str, Any]) -> None:
         sampled = self.sampled
         sampled.model = sampled.model or chunk.get("model")
+        sampled.response_id = sampled.response_id or chunk.get("id")
         if chunk.get("prompt_token_ids") is not None:
             sampled.prompt_ids = list(chunk["prompt_token_ids"])
         if chunk.get("usage"):

@@ -1,0 +1,113 @@
+"""Hostile and odd input: the client gets what the upstream sent, the sidecar stays up, model-call errors are
+recorded. Failures a real vLLM cannot produce on demand (5xx, a reset mid-stream) come from bench/fake_upstream."""
+
+import gzip
+import json
+import socket
+
+import brotli  # type: ignore[import-not-found]
+import httpx
+import pytest
+import zstandard  # type: ignore[import-not-found]
+
+from bench.fake_upstream import FakeUpstream
+from tests.sidecar.conftest import read_calls, wait_for
+
+pytestmark = pytest.mark.integration
+CHAT = "/v1/chat/completions"
+BODY = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
+
+
+def records(sidecar, n: int) -> list[dict]:
+    return wait_for(lambda: len(read_calls(sidecar.store)) >= n and read_calls(sidecar.store), what=f"{n} records")
+
+
+def still_up(sidecar) -> None:
+    answer = httpx.post(f"{sidecar.url}{CHAT}", json=BODY, timeout=30)
+    assert answer.status_code == 200 and sidecar.process.poll() is None
+
+
+def test_malformed_and_non_json_bodies_reach_vllm_unchanged(start_sidecar, policy_server, vllm):
+    sidecar = start_sidecar(policy_server.base_url)
+    for content, content_type in ((b'{"model": "x", "messages": [', "application/json"), (b"hello", "text/plain")):
+        headers = {"content-type": content_type}
+        through = httpx.post(f"{sidecar.url}{CHAT}", content=content, headers=headers, timeout=30)
+        direct = vllm.post(CHAT, content=content, headers=headers)
+        assert (through.status_code, through.json()) == (direct.status_code, direct.json())
+    calls = records(sidecar, 2)
+    assert {c["status"] for c in calls} == {"upstream_error"}
+    assert all("not a JSON object" in c["error"] for c in calls)
+
+
+def test_a_20_mb_body_and_an_upstream_4xx_pass_through(start_sidecar, policy_server, vllm):
+    sidecar = start_sidecar(policy_server.base_url)
+    huge = {"model": policy_server.name, "messages": [{"role": "user", "content": "x" * (20 << 20)}], "max_tokens": 1}
+    through = httpx.post(f"{sidecar.url}{CHAT}", json=huge, timeout=120)
+    direct = vllm.post(CHAT, json=huge)
+    assert through.status_code == direct.status_code and 400 <= through.status_code < 500
+    assert through.json()["error"]["type"] == direct.json()["error"]["type"]
+    (call,) = records(sidecar, 1)
+    assert call["status"] == "upstream_error" and call["http_status"] == through.status_code
+    assert "too large" in call["request_json"]
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "br", "zstd"])
+def test_encoded_request_bodies_are_decoded_for_the_upstream(start_sidecar, fake_upstream, encoding):
+    sidecar = start_sidecar(fake_upstream.url)
+    raw = json.dumps(BODY).encode()
+    packed = {"gzip": gzip.compress, "br": brotli.compress, "zstd": zstandard.ZstdCompressor().compress}[encoding](raw)
+    answer = httpx.post(f"{sidecar.url}{CHAT}", content=packed, timeout=30,
+                        headers={"content-type": "application/json", "content-encoding": encoding})  # fmt: skip
+    assert answer.status_code == 200
+    assert "content-encoding" not in fake_upstream.requests[-1]["headers"]
+    (call,) = records(sidecar, 1)
+    assert call["status"] == "ok" and call["completion_token_ids"]
+
+
+def test_upstream_5xx_is_passed_on_and_recorded(start_sidecar, fake_upstream):
+    sidecar = start_sidecar(fake_upstream.url)
+    answer = httpx.post(f"{sidecar.url}{CHAT}", json=BODY, headers={"x-fake": "500"}, timeout=30)
+    assert answer.status_code == 500 and answer.json()["error"]["message"] == "injected failure"
+    (call,) = records(sidecar, 1)
+    assert call["status"] == "upstream_error" and "injected failure" in call["error"]
+    still_up(sidecar)
+
+
+def test_an_upstream_reset_mid_stream_gives_a_truncated_record(start_sidecar, fake_upstream):
+    sidecar = start_sidecar(fake_upstream.url)
+    seen = []
+    with pytest.raises(httpx.HTTPError), httpx.stream("POST", f"{sidecar.url}{CHAT}", json={**BODY, "stream": True},
+                      headers={"x-fake": "reset-mid-stream"}, timeout=30) as answer:  # fmt: skip
+        for line in answer.iter_lines():
+            seen.append(line)
+    assert any(line.startswith("data: ") for line in seen), "the chunks before the reset reached the client"
+    (call,) = records(sidecar, 1)
+    assert call["status"] == "truncated" and call["stream"]
+    assert call["prompt_token_ids"] and 0 < len(call["completion_token_ids"]) < 6
+    still_up(sidecar)
+
+
+def test_a_client_that_hangs_up_mid_stream_gives_a_truncated_record(start_sidecar, fake_upstream):
+    sidecar = start_sidecar(fake_upstream.url)
+    request = json.dumps({**BODY, "stream": True}).encode()
+    with socket.create_connection(("127.0.0.1", sidecar.port), timeout=10) as sock:
+        head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nx-fake: slow\r\ncontent-type: application/json\r\n"
+        sock.sendall(head + b"content-length: %d\r\n\r\n%s" % (len(request), request))
+        assert b"data: " in sock.recv(65536)  # the first chunk arrives live, then we hang up
+    (call,) = records(sidecar, 1)
+    assert call["status"] == "truncated" and len(call["completion_token_ids"]) < 6
+    still_up(sidecar)
+
+
+def test_non_model_traffic_passes_through_unrecorded(start_sidecar, fake_upstream):
+    with FakeUpstream() as other:
+        sidecar = start_sidecar(fake_upstream.url, mode="regular")
+        with httpx.Client(proxy=sidecar.url, timeout=30) as http:
+            got = http.get(f"{other.url}/some/page?q=1")
+            posted = http.post(f"{other.url}{CHAT}", json=BODY)  # a model path, but not a model host
+            modelled = http.post(f"{fake_upstream.url}{CHAT}", json=BODY)
+        assert got.json() == {"path": "/some/page?q=1", "upstream": "fake"}
+        assert posted.status_code == 200 and "return_token_ids" not in json.loads(other.requests[-1]["body"])
+        assert modelled.status_code == 200
+        (call,) = records(sidecar, 1)
+        assert call["host"] == fake_upstream.url.removeprefix("http://")
