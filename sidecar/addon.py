@@ -322,7 +322,8 @@ class Forge:
         if call.stream is not None:  # streamed: recorded at [DONE] or at the end of the body
             return
         if response.status_code >= 400:
-            call.error = scrub_text((response.get_text(strict=False) or "")[:2000], call.secrets)
+            upstream = scrub_text((response.get_text(strict=False) or "")[:2000], call.secrets)
+            call.error = f"{call.error}; upstream said: {upstream}" if call.error else upstream
             self._record(flow, call, status="upstream_error")
             return
         if call.added is None:

@@ -93,7 +93,11 @@ def test_a_client_that_hangs_up_mid_stream_gives_a_truncated_record(start_sideca
     with socket.create_connection(("127.0.0.1", sidecar.port), timeout=10) as sock:
         head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nx-fake: slow\r\ncontent-type: application/json\r\n"
         sock.sendall(head + b"content-length: %d\r\n\r\n%s" % (len(request), request))
-        assert b"data: " in sock.recv(65536)  # the first chunk arrives live, then we hang up
+        received = b""
+        while b"data: " not in received:  # the first chunk arrives live, then we hang up
+            piece = sock.recv(65536)
+            assert piece, "the sidecar closed the connection before the first chunk"
+            received += piece
     (call,) = records(sidecar, 1)
     assert call["status"] == "truncated" and len(call["completion_token_ids"]) < 6
     still_up(sidecar)
