@@ -5,6 +5,7 @@ and is stopped (its whole process group) at the end of the session.
 """
 
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -61,7 +62,7 @@ class S3Server:
 
     def __init__(self) -> None:
         self.port = free_port()
-        self.server = None
+        self.server: Any = None
         self.env = {
             "AWS_ACCESS_KEY_ID": "testing",
             "AWS_SECRET_ACCESS_KEY": "testing",

@@ -2,6 +2,7 @@
 
 import itertools
 import json
+from typing import Any
 
 import openai
 import pytest
@@ -91,7 +92,7 @@ def test_the_harness_gets_what_vllm_sends_minus_the_added_fields(start_sidecar, 
 def test_a_multi_turn_conversation_is_stored_as_references_and_read_back_whole(start_sidecar, policy_server, vllm):
     sidecar = start_sidecar(policy_server.base_url)
     sdk = client(sidecar.url)
-    messages: list[dict] = [{"role": "system", "content": "You are terse."}]
+    messages: list[Any] = [{"role": "system", "content": "You are terse."}]
     seen_prompts = []
     for question in ("Name a fruit.", "Name another one.", "And a vegetable?", "Thanks. One more?"):
         messages.append({"role": "user", "content": question})

@@ -98,7 +98,7 @@ def test_the_s3_server_down_during_load_loses_nothing(start_sidecar, fake_upstre
     s3_server.start()
     wait_for(lambda: wal_empty(wal), timeout=60, what="the WAL to drain into S3")
     recorded = [c["response_id"] for c in read_calls(store, s3_endpoint=s3_server.endpoint)]
-    assert sorted(recorded) == sorted(delivered)
+    assert sorted(map(str, recorded)) == sorted(map(str, delivered))
     fs = pafs.S3FileSystem(endpoint_override=s3_server.endpoint.removeprefix("http://"), scheme="http")
     infos = fs.get_file_info(pafs.FileSelector(f"{s3_server.bucket}/forge", recursive=True))
     assert all(i.base_name.endswith(".parquet") for i in infos if i.type == pafs.FileType.File)
@@ -111,4 +111,4 @@ def test_sigterm_flushes_everything(start_sidecar, fake_upstream, tmp_path):
     assert not wal_empty(wal)
     assert sidecar.stop() == 0
     assert wal_empty(wal)
-    assert sorted(c["response_id"] for c in read_calls(sidecar.store)) == sorted(delivered)
+    assert sorted(str(c["response_id"]) for c in read_calls(sidecar.store)) == sorted(map(str, delivered))

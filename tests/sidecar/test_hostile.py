@@ -5,10 +5,10 @@ import gzip
 import json
 import socket
 
-import brotli  # type: ignore[import-not-found]
+import brotli
 import httpx
 import pytest
-import zstandard  # type: ignore[import-not-found]
+import zstandard
 
 from bench.fake_upstream import FakeUpstream
 from tests.sidecar.conftest import read_calls, wait_for
