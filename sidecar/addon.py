@@ -35,7 +35,7 @@ from sidecar.apis import openai
 from sidecar.metrics import Metrics
 from sidecar.prefix import PrefixIndex
 from sidecar.record import harness_from_user_agent
-from sidecar.redact import configured_secrets, redacted_json, scrub_text, secrets_in_headers
+from sidecar.redact import configured_secrets, redacted_json, redacted_text, scrub_text, secrets_in_headers
 from sidecar.sse import EventFramer, rewrite_event
 from sidecar.store import open_store
 from sidecar.writer import RecordWriter, now_us, pack_floats, pack_ids, sidecar_identity
@@ -265,7 +265,7 @@ class Forge:
         size = len(content or b"")
         # The record keeps the request as the harness sent it (redacted), not as the upstream got it.
         call.request_json = (
-            redacted_json(body, call.secrets)
+            redacted_text(content.decode("utf-8", "replace"), call.secrets)
             if size <= MAX_RECORDED_BODY
             else json.dumps({"note": "request body too large to copy", "bytes": size})
         )
@@ -338,8 +338,9 @@ class Forge:
         sampled = openai.sampled_from_response(call.api, answer)
         openai.strip_response(answer, call.added)
         call.first_token_at = int((response.timestamp_start or time.time()) * 1e6)
-        self._record(flow, call, status="ok", sampled=sampled, response_json=redacted_json(answer, call.secrets))
-        response.content = json.dumps(answer, ensure_ascii=False, separators=(",", ":")).encode()
+        text = json.dumps(answer, ensure_ascii=False, separators=(",", ":"))
+        self._record(flow, call, status="ok", sampled=sampled, response_json=redacted_text(text, call.secrets))
+        response.content = text.encode()
 
     def _record(
         self, flow: http.HTTPFlow, call: Call, status: str, sampled: openai.Sampled | None = None,

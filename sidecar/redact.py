@@ -63,3 +63,16 @@ def scrub_json(value: Any) -> Any:
 
 def redacted_json(value: Any, secrets: list[str]) -> str:
     return scrub_text(json.dumps(scrub_json(value), ensure_ascii=False, separators=(",", ":")), secrets)
+
+
+_SECRET_KEY_TEXT = re.compile(r'(?i)"(api[-_]?key|secret|password|token|access[-_]?token|authorization)"\s*:')
+
+
+def redacted_text(text: str, secrets: list[str]) -> str:
+    """``redacted_json`` for JSON text, parsing it only when it names a secret-looking key (the hot path)."""
+    if _SECRET_KEY_TEXT.search(text):
+        try:
+            return redacted_json(json.loads(text), secrets)
+        except ValueError:
+            pass
+    return scrub_text(text, secrets)

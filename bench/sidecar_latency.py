@@ -1,0 +1,117 @@
+"""Added latency and throughput of the sidecar vs direct, bare mitmdump and rllm-model-gateway.
+
+All over the same fast local upstream (bench/fake_upstream.py: a fixed vLLM-shaped answer), so the proxy is what
+is measured. Non-streaming p50/p99 with 1 and 64 clients, streaming time to first token with 1 client, and
+whether SSE is live (upstream chunks 0.3 s apart: when does the first reach the client?).
+
+Run: .venv/bin/python bench/sidecar_latency.py [--calls 400] [--gateway-python PATH]
+(rllm-model-gateway lives in a bench-only env: python3.11 -m venv V && V/bin/pip install rllm-model-gateway)
+"""
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import click
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.loadgen import run
+from trainer.serve import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+BODY = {"model": "m", "messages": [{"role": "user", "content": "Say hi in three words."}], "max_tokens": 8}
+
+
+def wait_port(port: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise SystemExit(f"nothing listens on {port} after {timeout} s")
+
+
+def start(args: list[str], port: int) -> subprocess.Popen:
+    process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_port(port)
+    time.sleep(0.5)
+    return process
+
+
+def measure(port: int, calls: int) -> dict[str, float]:
+    one = asyncio.run(run(port, 1, calls, BODY)).summary()
+    many = asyncio.run(run(port, 64, calls * 5, BODY)).summary()
+    stream = asyncio.run(run(port, 1, calls // 2, {**BODY, "stream": True})).summary()
+    live = asyncio.run(run(port, 1, 2, {**BODY, "stream": True}, {"x-fake": "slow"})).summary()
+    return {
+        "p50_1": one["p50_ms"], "p99_1": one["p99_ms"], "rps_1": one["calls_per_s"],
+        "p50_64": many["p50_ms"], "p99_64": many["p99_ms"], "rps_64": many["calls_per_s"],
+        "ttft_1": stream["ttft_p50_ms"], "live_ttft": live["ttft_p50_ms"],
+        "errors": one["errors"] + many["errors"] + stream["errors"],
+    }  # fmt: skip
+
+
+@click.command()
+@click.option("--calls", type=int, default=400, show_default=True)
+@click.option("--gateway-python", type=click.Path(path_type=Path),
+              default=Path("/var/cache/openforge/bench/rllm/bin/python"), show_default=True)  # fmt: skip
+def main(calls: int, gateway_python: Path) -> None:
+    upstream_port = free_port()
+    upstream = start([sys.executable, str(ROOT / "bench" / "fake_upstream.py"), str(upstream_port)], upstream_port)
+    upstream_url = f"http://127.0.0.1:{upstream_port}"
+    mitmdump = str(ROOT / ".venv-sidecar" / "bin" / "mitmdump")
+    work = Path(tempfile.mkdtemp(prefix="forge-bench-"))
+    targets: dict[str, list[str] | None] = {
+        "direct": None,
+        "bare mitmdump": [mitmdump, "-q", "--mode", f"reverse:{upstream_url}", "--listen-host", "127.0.0.1",
+                          "--set", f"confdir={work}/bare"],
+        "openforge sidecar": [str(ROOT / ".venv" / "bin" / "forge"), "sidecar", "--mode", f"reverse:{upstream_url}",
+                              "--upstream", upstream_url, "--store", str(work / "store"),
+                              "--wal-dir", str(work / "wal"), "--episode-id", "bench"],
+    }  # fmt: skip
+    if gateway_python.exists():
+        gateway = str(gateway_python.parent / "rllm-model-gateway")
+        targets["rllm-model-gateway"] = [gateway, "--worker", upstream_url, "--store", "sqlite",
+                                         "--db-path", str(work / "rllm.db"), "--log-level", "warning"]  # fmt: skip
+    results = {}
+    try:
+        for name, args in targets.items():
+            if args is None:
+                results[name] = measure(upstream_port, calls)
+                continue
+            port = free_port()
+            port_flag = ["--port" if name == "rllm-model-gateway" else "--listen-port", str(port)]
+            process = start(args + port_flag, port)
+            try:
+                results[name] = measure(port, calls)
+            finally:
+                process.terminate()
+                process.wait(30)
+    finally:
+        upstream.terminate()
+    base = results["direct"]
+    click.echo(f"{calls} calls x1 client, {calls * 5} x64 clients, {calls // 2} streamed; {os.cpu_count()} cores")
+    click.echo(f"{'target':20} {'p50 1c':>8} {'+p50':>7} {'p99 1c':>8} {'calls/s 1c':>10} {'p50 64c':>8} "
+               f"{'p99 64c':>8} {'calls/s 64c':>11} {'ttft':>7} {'+ttft':>7} {'live ttft':>10} {'err':>4}")  # fmt: skip
+    for name, r in results.items():
+        click.echo(
+            f"{name:20} {r['p50_1']:8.2f} {r['p50_1'] - base['p50_1']:+7.2f} {r['p99_1']:8.2f} {r['rps_1']:10.0f} "
+            f"{r['p50_64']:8.2f} {r['p99_64']:8.2f} {r['rps_64']:11.0f} {r['ttft_1']:7.2f} "
+            f"{r['ttft_1'] - base['ttft_1']:+7.2f} {r['live_ttft']:10.1f} {r['errors']:4.0f}"
+        )
+    bare, ours = results["bare mitmdump"], results["openforge sidecar"]
+    added_bare, added_ours = bare["p50_1"] - base["p50_1"], ours["p50_1"] - base["p50_1"]
+    click.echo(f"sidecar added p50 (1 client): {added_ours:.2f} ms = {added_ours / added_bare:.2f}x bare mitmdump's "
+               f"{added_bare:.2f} ms (goal <= 1.2x and <= 2 ms)")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
