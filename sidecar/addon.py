@@ -12,6 +12,7 @@ Recording is fail-open: any exception in our code is logged and counted, and the
 """
 
 import fnmatch
+import itertools
 import json
 import logging
 import os
@@ -85,6 +86,9 @@ class Forge:
         self.sidecar_id = ""
         self.secrets: list[str] = []
         self.stop = threading.Event()
+        # Call ids: a random prefix per process + a counter (uuid4 per call costs a urandom syscall).
+        self.call_prefix = uuid.uuid4().hex[:16]
+        self.call_numbers = itertools.count()
 
     # -- options and lifecycle ------------------------------------------------------------------------------
     def load(self, loader: Any) -> None:
@@ -240,7 +244,8 @@ class Forge:
             seq = self.seq.get(episode, 0)
             self.seq[episode] = seq + 1
         call = Call(
-            call_id=uuid.uuid4().hex, api=api, episode_id=episode, task_id=task, run_id=run, seq=seq,
+            call_id=f"{self.call_prefix}{next(self.call_numbers):08x}", api=api, episode_id=episode,
+            task_id=task, run_id=run, seq=seq,
             started_at=int(flow.request.timestamp_start * 1e6),
             secrets=secrets_in_headers(flow.request.headers) + self.secrets,
         )  # fmt: skip
