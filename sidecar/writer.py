@@ -30,7 +30,7 @@ from sidecar.store import Store
 
 log = logging.getLogger("openforge.sidecar")
 
-_FRAME = struct.Struct("<II")  # payload length, crc32
+_FRAME = struct.Struct("<II")  # payload length, adler32 (a torn or garbled tail is detected)
 ID_COLUMNS = {"prompt_suffix_ids": "i", "completion_token_ids": "i", "completion_logprobs": "f"}
 TIME_COLUMNS = ("started_at", "first_token_at", "finished_at", "at")
 
@@ -56,7 +56,7 @@ class Segment:
         self.opened = time.monotonic()
 
     def append(self, payload: bytes) -> None:
-        self.file.write(_FRAME.pack(len(payload), zlib.crc32(payload)) + payload)  # one syscall per record
+        self.file.write(_FRAME.pack(len(payload), zlib.adler32(payload)) + payload)  # one syscall per record
         self.rows += 1
         self.bytes += _FRAME.size + len(payload)
 
@@ -66,9 +66,9 @@ def read_segment(path: Path) -> list[dict[str, Any]]:
     data = path.read_bytes()
     rows, offset = [], 0
     while offset + _FRAME.size <= len(data):
-        length, crc = _FRAME.unpack_from(data, offset)
+        length, checksum = _FRAME.unpack_from(data, offset)
         payload = data[offset + _FRAME.size : offset + _FRAME.size + length]
-        if len(payload) < length or zlib.crc32(payload) != crc:
+        if len(payload) < length or zlib.adler32(payload) != checksum:
             log.warning("%s: torn record at byte %d (a crash mid-write); the records before it are kept", path, offset)
             break
         rows.append(marshal.loads(payload))
