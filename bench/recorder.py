@@ -9,10 +9,12 @@ Runs in the sidecar environment (mitmproxy), pinned to one core:
 """
 
 import argparse
+import contextlib
 import json
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -61,16 +63,24 @@ def episode_flows(episode_len: int, prompt_len: int, completion_len: int, new_pe
     return flows
 
 
+@contextlib.contextmanager
+def recording(prefix: str, **options: str) -> Iterator[tuple[Forge, Path]]:
+    """A running addon writing to a fresh local store; flushed (and checked) on exit."""
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    addon = Forge()
+    with taddons.context(addon) as tctx:
+        tctx.configure(addon, forge_store=str(work / "store"), forge_wal_dir=str(work / "wal"),
+                       forge_policy_model="policy", forge_policy_version="1", **options)  # fmt: skip
+        addon.running()
+        yield addon, work
+        assert addon.writer is not None and addon.writer.close(60)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--calls", type=int, default=4000)
     args = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="forge-recorder-"))
-    addon = Forge()
-    with taddons.context(addon) as tctx:
-        tctx.configure(addon, forge_store=str(work / "store"), forge_wal_dir=str(work / "wal"),
-                       forge_policy_model="policy", forge_policy_version="1", forge_flush_seconds="1")  # fmt: skip
-        addon.running()
+    with recording("forge-recorder-", forge_flush_seconds="1") as (addon, work):
         # Throughput: episodes of 10 calls, every prompt 4,000 tokens long.
         flows = []
         for episode in range(args.calls // 10):
@@ -80,24 +90,18 @@ def main() -> None:
         started_wall, started_cpu = time.perf_counter(), time.process_time()
         for flow in flows:
             drive(addon, flow)
-        assert addon.writer is not None and addon.writer.close(60)
+        assert addon.writer is not None and addon.writer.close(60)  # the flush is part of the cost
         wall, cpu = time.perf_counter() - started_wall, time.process_time() - started_cpu
-        print(f"recorder: {len(flows)} calls with 4,000-token prompts in {wall:.2f} s wall / {cpu:.2f} s CPU "
-              f"= {len(flows) / wall:,.0f} calls/s ({len(flows) / cpu:,.0f} per CPU-second)")  # fmt: skip
-        stored = [pq.read_table(p) for p in (work / "store").rglob("*.parquet")]
-        assert sum(t.num_rows for t in stored) == len(flows), "not every call was stored"
+    print(f"recorder: {len(flows)} calls with 4,000-token prompts in {wall:.2f} s wall / {cpu:.2f} s CPU "
+          f"= {len(flows) / wall:,.0f} calls/s ({len(flows) / cpu:,.0f} per CPU-second)")  # fmt: skip
+    stored = [pq.read_table(p) for p in (work / "store").rglob("*.parquet")]
+    assert sum(t.num_rows for t in stored) == len(flows), "not every call was stored"
 
     # Storage: one 50-turn episode.
-    work2 = Path(tempfile.mkdtemp(prefix="forge-storage-"))
-    addon = Forge()
-    with taddons.context(addon) as tctx:
-        tctx.configure(addon, forge_store=str(work2 / "store"), forge_wal_dir=str(work2 / "wal"),
-                       forge_policy_model="policy", forge_policy_version="1", forge_episode_id="long")  # fmt: skip
-        addon.running()
+    with recording("forge-storage-", forge_episode_id="long") as (addon, work2):
         flows = episode_flows(50, 4000, 32, 16)
         for flow in flows:
             drive(addon, flow)
-        assert addon.writer is not None and addon.writer.close(60)
     (path,) = (work2 / "store").rglob("*.parquet")
     table = pq.read_table(path)
     stored_ids = sum(len(x) for x in table["prompt_suffix_ids"].to_pylist()) + sum(

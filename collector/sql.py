@@ -14,6 +14,7 @@ import pyarrow as pa
 
 from forge.errors import ForgeError
 from sidecar.record import TABLES
+from sidecar.store import s3_endpoint_url
 
 # A call whose prompt extends an earlier one is stored as (parent_call_id, prefix_len, prompt_suffix_ids):
 # its whole prompt is the parent's prompt + completion, cut at prefix_len, + the suffix. Resolved along the
@@ -51,8 +52,7 @@ def connect(store: str, s3_endpoint: str | None = None) -> duckdb.DuckDBPyConnec
     parsed = urlparse(store)
     if parsed.scheme == "s3":
         con.execute(f"LOAD '{httpfs_extension()}'")
-        endpoint = s3_endpoint or os.environ.get("FORGE_S3_ENDPOINT") or os.environ.get("AWS_ENDPOINT_URL")
-        ep = urlparse(endpoint if endpoint and "://" in endpoint else f"http://{endpoint}") if endpoint else None
+        ep = s3_endpoint_url(s3_endpoint)
         con.execute(
             "CREATE SECRET forge_s3 (TYPE s3, KEY_ID ?, SECRET ?, REGION ?, ENDPOINT ?, URL_STYLE 'path', USE_SSL ?)",
             [

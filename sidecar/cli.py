@@ -11,7 +11,7 @@ import click
 from forge.errors import ForgeError
 from forge.paths import repo_root
 from sidecar.record import to_table
-from sidecar.store import StoreError, open_store
+from sidecar.store import Store, StoreError, open_store
 
 ADDON = Path(__file__).resolve().parent / "addon.py"
 
@@ -19,6 +19,13 @@ ADDON = Path(__file__).resolve().parent / "addon.py"
 def sidecar_python_bin() -> Path:
     """The sidecar environment's bin folder: $FORGE_SIDECAR_VENV, else the checkout's .venv-sidecar."""
     return Path(os.environ.get("FORGE_SIDECAR_VENV") or repo_root() / ".venv-sidecar") / "bin"
+
+
+def checked_store(uri: str, s3_endpoint: str | None) -> Store:
+    try:
+        return open_store(uri, s3_endpoint)
+    except StoreError as error:
+        raise ForgeError(str(error)) from error
 
 
 def mitmdump_command(
@@ -76,10 +83,7 @@ def sidecar_command(
     """
     if not (mode in ("regular", "transparent") or mode.startswith("reverse:")):
         raise ForgeError(f"unknown --mode {mode!r}: use regular, reverse:URL or transparent")
-    try:
-        open_store(store, s3_endpoint)
-    except StoreError as error:
-        raise ForgeError(str(error)) from error
+    checked_store(store, s3_endpoint)
     mitmdump = sidecar_python_bin() / "mitmdump"
     if not mitmdump.exists():
         raise ForgeError(f"no sidecar environment at {mitmdump.parent.parent}: run `make env`")
@@ -124,10 +128,7 @@ def reward_command(
     """Record a reward for an episode (or one call) in the store, as a verifier would."""
     if not math.isfinite(value):
         raise ForgeError("--value must be a finite number")
-    try:
-        target = open_store(store, s3_endpoint)
-    except StoreError as error:
-        raise ForgeError(str(error)) from error
+    target = checked_store(store, s3_endpoint)
     now = datetime.now(UTC)
     row = {"episode_id": episode_id, "call_id": call_id, "reward": value, "source": source, "at": now,
            "components": list(parse_components(component).items()) or None}  # fmt: skip

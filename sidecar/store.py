@@ -8,7 +8,7 @@ import io
 import os
 import uuid
 from dataclasses import dataclass
-from urllib.parse import urlparse
+from urllib.parse import ParseResult, urlparse
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -24,7 +24,6 @@ class Store:
     uri: str
     filesystem: pafs.FileSystem
     root: str  # path inside the filesystem, no trailing slash
-    s3_endpoint: str | None = None
 
     @property
     def is_local(self) -> bool:
@@ -69,9 +68,16 @@ class Store:
         return pa.concat_tables(pq.read_table(p, filesystem=self.filesystem) for p in paths)
 
 
+def s3_endpoint_url(explicit: str | None = None) -> ParseResult | None:
+    """The S3-compatible endpoint: the one given, else $FORGE_S3_ENDPOINT, else $AWS_ENDPOINT_URL (http:// if bare)."""
+    endpoint = explicit or os.environ.get("FORGE_S3_ENDPOINT") or os.environ.get("AWS_ENDPOINT_URL")
+    if not endpoint:
+        return None
+    return urlparse(endpoint if "://" in endpoint else f"http://{endpoint}")
+
+
 def open_store(uri: str, s3_endpoint: str | None = None) -> Store:
     """Parse a store URI. S3 credentials come from the usual AWS_* environment variables, never from the URI."""
-    endpoint = s3_endpoint or os.environ.get("FORGE_S3_ENDPOINT") or os.environ.get("AWS_ENDPOINT_URL")
     parsed = urlparse(uri)
     if parsed.scheme in ("", "file"):
         root = os.path.abspath(parsed.path if parsed.scheme == "file" else uri)
@@ -90,8 +96,7 @@ def open_store(uri: str, s3_endpoint: str | None = None) -> Store:
             "connect_timeout": 2.0,
             "request_timeout": 10.0,
         }
-        if endpoint:
-            ep = urlparse(endpoint if "://" in endpoint else f"http://{endpoint}")
-            options.update(endpoint_override=ep.netloc, scheme=ep.scheme or "http")
-        return Store(uri, pafs.S3FileSystem(**options), f"{parsed.netloc}{parsed.path}".rstrip("/"), endpoint)
+        if endpoint := s3_endpoint_url(s3_endpoint):
+            options.update(endpoint_override=endpoint.netloc, scheme=endpoint.scheme or "http")
+        return Store(uri, pafs.S3FileSystem(**options), f"{parsed.netloc}{parsed.path}".rstrip("/"))
     raise StoreError(f"unsupported store {uri!r}: use a local folder or s3://bucket/prefix")

@@ -134,11 +134,12 @@ class RecordWriter:
         self.backoff_s = 0.5
         self.thread = threading.Thread(target=self._run, name="forge-flusher", daemon=True)
         wal_dir.mkdir(parents=True, exist_ok=True)
-        for path in self._closed_segments():  # left by an earlier run: replayed first
+        left = self._closed_segments()  # left by an earlier run: replayed first
+        for path in left:
             table, number = path.stem.rsplit("-", 1)
             self.next_number[table] = max(self.next_number[table], int(number) + 1)
             self.closed_bytes += path.stat().st_size
-        self.metrics.set("wal_segments_replayed", len(self._closed_segments()))
+        self.metrics.set("wal_segments_replayed", len(left))
 
     # -- writing ----------------------------------------------------------------------------------------------
     def append(self, table: str, row: dict[str, Any]) -> bool:
