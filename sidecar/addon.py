@@ -2,8 +2,10 @@
 
 Run by `forge sidecar` as ``mitmdump -s sidecar/addon.py``. The hooks below are the table of contents:
 
-- ``requestheaders``: is this a model call (host and path)? If not, stream it through untouched, unrecorded.
-- ``request``: route it to the policy server, map the model name, ask for token ids and logprobs.
+- ``requestheaders``: is this a model call (host, method and path)? If not, stream it through untouched,
+  unrecorded. Codex's WebSocket upgrade is refused here at once (it then falls back to POST).
+- ``request``: route it to the policy server, map the model name, ask for token ids and logprobs (Anthropic
+  Messages are translated to Chat Completions, which return ids; see ``apis/messages.py``).
 - ``responseheaders``: stream SSE answers live, one event at a time, gathering ids and hiding them.
 - ``response``: hide the added fields from a whole answer; log the call record before the harness gets it.
 - ``error``: a client that hung up or an upstream that reset: record what was seen, marked truncated.
@@ -31,13 +33,14 @@ from mitmproxy import ctx, http
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # mitmdump loads this file as a script
 
 from sidecar import __version__ as SIDECAR_VERSION
+from sidecar import apis
 from sidecar.admin import AdminServer
-from sidecar.apis import openai
+from sidecar.apis.base import Sampled
 from sidecar.metrics import Metrics
 from sidecar.prefix import PrefixIndex
 from sidecar.record import harness_from_user_agent
 from sidecar.redact import configured_secrets, redacted_json, redacted_text, scrub_text, secrets_in_headers
-from sidecar.sse import EventFramer, rewrite_event
+from sidecar.sse import EventFramer
 from sidecar.store import open_store
 from sidecar.writer import RecordWriter, now_us, pack_floats, pack_ids, sidecar_identity
 
@@ -45,6 +48,7 @@ log = logging.getLogger("openforge.sidecar")
 EPISODE_HEADER = "x-forge-episode-id"
 TASK_HEADER = "x-forge-task-id"
 HOP_SECRETS = ("authorization", "x-api-key", "api-key")  # the policy server needs none of the harness's keys
+DEFAULT_MODEL_HOSTS = "api.openai.com,api.anthropic.com"
 MAX_RECORDED_BODY = 4 << 20  # bodies bigger than this are recorded as a note, not copied
 
 
@@ -62,8 +66,9 @@ class Call:
     model_requested: str | None = None
     request_json: str | None = None
     secrets: list[str] = field(default_factory=list)
-    added: openai.Additions | None = None
-    stream: openai.StreamState | None = None
+    module: Any = None  # the wire API's module in sidecar.apis
+    added: Any = None  # its Additions
+    stream: Any = None  # its StreamState
     framer: EventFramer | None = None
     first_token_at: int | None = None
     recorded: bool = False
@@ -103,7 +108,7 @@ class Forge:
         add("forge_policy_model", str, "", "Served model name (default: the upstream's first model).")
         add("forge_model_map", str, "*", "Comma-separated PATTERN[=MODEL]: requested names served by MODEL.")
         add("forge_policy_version", str, "", "Fixed policy version (default: polled from /weight_info).")
-        add("forge_model_hosts", str, "api.openai.com", "Comma-separated hosts whose model paths are intercepted.")
+        add("forge_model_hosts", str, DEFAULT_MODEL_HOSTS, "Comma-separated hosts whose model paths are taken.")
         add("forge_admin_port", int, 0, "Loopback port of the admin endpoint (POST /reward, GET /metrics); 0: off.")
         add("forge_flush_rows", int, 2000, "Close a WAL segment after this many records.")
         add("forge_flush_bytes", int, 64 << 20, "Close a WAL segment after this many bytes.")
@@ -167,14 +172,28 @@ class Forge:
         if api is None:
             flow.request.stream = True  # not a model call: straight through, never buffered or recorded
             return
+        if api == "responses_socket":
+            # Codex tries a WebSocket on GET /v1/responses first; a plain refusal makes it POST at once.
+            flow.response = http.Response.make(
+                426, json.dumps({"error": {"message": "WebSocket transport is not served here: use POST",
+                                           "type": "invalid_request_error", "code": "websocket_not_supported"}}),
+                {"content-type": "application/json"},
+            )  # fmt: skip
+            return
         flow.metadata["forge_api"] = api
 
     def request(self, flow: http.HTTPFlow) -> None:
         api = flow.metadata.get("forge_api")
-        if api is None:
+        if api is None or flow.response is not None:
             return
         try:
-            self._begin(flow, api)
+            if api in apis.RECORDED:
+                self._begin(flow, api)
+            else:  # served by the policy, not a sampled call: routed, never recorded
+                self._strip_hop_secrets(flow)
+                self._route(flow)
+                if api == "count_tokens":
+                    self._map_model(flow)
         except Exception as error:  # fail open: the call goes on unrecorded
             self._internal_error("request", error)
 
@@ -187,12 +206,14 @@ class Forge:
             return
         is_sse = "text/event-stream" in flow.response.headers.get("content-type", "")
         if call.added and call.added.stream and is_sse and not flow.response.headers.get("content-encoding"):
-            call.stream = openai.StreamState(call.added)
+            call.stream = call.module.StreamState(call.added)
             call.framer = EventFramer()
             flow.response.stream = lambda data: self._on_stream_data(flow, call, data)
 
     def response(self, flow: http.HTTPFlow) -> None:
         call: Call | None = flow.metadata.get("forge_call")
+        if flow.metadata.get("forge_api") == "models" and flow.request.headers.get("anthropic-version"):
+            self._anthropic_model_list(flow)
         if call is None or call.recorded:
             return
         try:
@@ -214,14 +235,12 @@ class Forge:
 
     # -- the work -------------------------------------------------------------------------------------------
     def _model_api(self, flow: http.HTTPFlow) -> str | None:
-        if flow.request.method != "POST":
-            return None
         mode = flow.client_conn.proxy_mode
         reverse = type(mode).__name__ == "ReverseMode"
         host = (flow.request.pretty_host or "").lower()
         if not reverse and host not in self.model_hosts and f"{host}:{flow.request.port}" not in self.model_hosts:
             return None
-        return openai.api_for_path(flow.request.path)
+        return apis.api_for(flow.request.method, flow.request.path)
 
     def _identity(self, flow: http.HTTPFlow) -> tuple[str, str | None, str]:
         o = ctx.options
@@ -250,10 +269,7 @@ class Forge:
             secrets=secrets_in_headers(flow.request.headers) + self.secrets,
         )  # fmt: skip
         flow.metadata["forge_call"] = call
-        for name in (EPISODE_HEADER, TASK_HEADER, *HOP_SECRETS):
-            flow.request.headers.pop(name, None)
-        if key := os.environ.get("FORGE_UPSTREAM_API_KEY"):
-            flow.request.headers["authorization"] = f"Bearer {key}"
+        self._strip_hop_secrets(flow)
         self._route(flow)
         try:
             flow.request.decode(strict=True)  # vLLM reads no gzip/br/zstd bodies: send them on decoded
@@ -278,8 +294,47 @@ class Forge:
         served = self._served_model(call.model_requested)
         if served:
             body["model"] = served
-        call.added = openai.prepare_request(api, body)
+        call.module = apis.module_for(api)
+        try:
+            call.added = call.module.prepare_request(api, body)
+        except ValueError as error:  # a request we cannot translate goes on as it came; vLLM judges it
+            call.error = f"request not translated ({error}); passed through unchanged"
+            return
+        if call.added.upstream_path:
+            flow.request.path = call.added.upstream_path
         flow.request.content = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+
+    def _map_model(self, flow: http.HTTPFlow) -> None:
+        try:
+            body = json.loads(flow.request.get_content(strict=True) or b"")
+        except ValueError:
+            return  # the upstream judges it
+        if isinstance(body, dict) and (served := self._served_model(body.get("model"))):
+            body["model"] = served
+            flow.request.content = json.dumps(body, ensure_ascii=False).encode()
+
+    def _strip_hop_secrets(self, flow: http.HTTPFlow) -> None:
+        for name in (EPISODE_HEADER, TASK_HEADER, *HOP_SECRETS):
+            flow.request.headers.pop(name, None)
+        if key := os.environ.get("FORGE_UPSTREAM_API_KEY"):
+            flow.request.headers["authorization"] = f"Bearer {key}"
+
+    def _anthropic_model_list(self, flow: http.HTTPFlow) -> None:
+        """vLLM lists models in OpenAI's shape; an Anthropic client gets Anthropic's."""
+        assert flow.response is not None
+        try:
+            listed = json.loads(flow.response.get_content(strict=False) or b"")["data"]
+        except (ValueError, KeyError, TypeError):
+            return
+        data = [
+            {"type": "model", "id": m.get("id"), "display_name": m.get("id"),
+             "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(m.get("created") or 0))}
+            for m in listed
+        ]  # fmt: skip
+        flow.response.content = json.dumps(
+            {"data": data, "has_more": False, "first_id": data[0]["id"] if data else None,
+             "last_id": data[-1]["id"] if data else None}
+        ).encode()  # fmt: skip
 
     def _route(self, flow: http.HTTPFlow) -> None:
         upstream = self.upstream
@@ -309,12 +364,11 @@ class Forge:
             for event in call.framer.feed(data):
                 if call.first_token_at is None:
                     call.first_token_at = now_us()
-                rewritten = rewrite_event(event, call.stream.on_event)
+                rewritten = call.stream.feed_event(event)
                 if call.stream.done and not call.recorded:
-                    # The record is logged before [DONE] reaches the harness: delivered means recorded.
+                    # Logged before the final event reaches the harness: delivered means recorded.
                     self._record(flow, call, status="ok", sampled=call.stream.sampled)
-                if rewritten is not None:
-                    out.append(rewritten)
+                out += rewritten
             return out
         except Exception as error:  # never break the stream because recording failed
             self._internal_error("stream", error)
@@ -327,9 +381,12 @@ class Forge:
         if call.stream is not None:  # streamed: recorded at [DONE] or at the end of the body
             return
         if response.status_code >= 400:
-            upstream = scrub_text((response.get_text(strict=False) or "")[:2000], call.secrets)
+            text = response.get_text(strict=False) or ""
+            upstream = scrub_text(text[:2000], call.secrets)
             call.error = f"{call.error}; upstream said: {upstream}" if call.error else upstream
             self._record(flow, call, status="upstream_error")
+            if call.api == "messages" and call.added is not None:  # the harness asked in Anthropic's format
+                response.content = call.module.error_body(response.status_code, text)
             return
         if call.added is None:
             self._record(flow, call, status="error")
@@ -340,15 +397,14 @@ class Forge:
             call.error = "the upstream's answer is not JSON"
             self._record(flow, call, status="error")
             return
-        sampled = openai.sampled_from_response(call.api, answer)
-        openai.strip_response(answer, call.added)
+        sampled, answer = call.module.finish(call.added, answer)
         call.first_token_at = int((response.timestamp_start or time.time()) * 1e6)
         text = json.dumps(answer, ensure_ascii=False, separators=(",", ":"))
         self._record(flow, call, status="ok", sampled=sampled, response_json=redacted_text(text, call.secrets))
         response.content = text.encode()
 
     def _record(
-        self, flow: http.HTTPFlow, call: Call, status: str, sampled: openai.Sampled | None = None,
+        self, flow: http.HTTPFlow, call: Call, status: str, sampled: Sampled | None = None,
         response_json: str | None = None,
     ) -> None:  # fmt: skip
         call.recorded = True
@@ -377,6 +433,7 @@ class Forge:
             "first_token_at": call.first_token_at, "finished_at": now_us(), "status": status,
             "http_status": flow.response.status_code if flow.response else None,
             "finish_reason": sampled.finish_reason if sampled else None, "error": call.error,
+            "note": sampled.note if sampled else None,
             "parent_call_id": parent, "prefix_len": prefix_len,
             "prompt_suffix_ids": prompt[prefix_len * 4 :] if prompt is not None else None,
             "prompt_len": len(prompt) // 4 if prompt is not None else None,

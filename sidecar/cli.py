@@ -64,7 +64,12 @@ def mitmdump_command(
 @click.option("--run-id")
 @click.option("--admin-port", type=int, default=0, help="Loopback port for POST /reward and GET /metrics.")
 @click.option("--model-map", default="*", show_default=True, help="PATTERN[=MODEL],...: names served by MODEL.")
-@click.option("--model-hosts", default="api.openai.com", show_default=True, help="Hosts whose model calls are taken.")
+@click.option(
+    "--model-hosts",
+    default="api.openai.com,api.anthropic.com",
+    show_default=True,
+    help="Hosts whose model calls are taken (served by the policy).",
+)
 @click.option("--policy-version", help="Fixed policy version (default: the server's /weight_info).")
 @click.option("--flush-seconds", type=float, default=5.0, show_default=True)
 @click.option("--flush-rows", type=int, default=2000, show_default=True)

@@ -43,6 +43,7 @@ CALL_SCHEMA = pa.schema(
         pa.field("http_status", pa.int32()),
         pa.field("finish_reason", pa.string()),
         pa.field("error", pa.string()),
+        pa.field("note", pa.string()),  # a fact about the ids that is not an error (e.g. logprobs not given)
         pa.field("parent_call_id", pa.string()),
         pa.field("prefix_len", pa.int32()),
         pa.field("prompt_suffix_ids", pa.list_(pa.int32())),

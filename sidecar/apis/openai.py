@@ -6,8 +6,11 @@ harness asked for them itself. Everything else is the upstream's, byte for byte 
 """
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
+
+from sidecar.apis.base import Sampled, clear, compact
+from sidecar.sse import rewrite_event
 
 CHAT_PATHS = ("/v1/chat/completions", "/chat/completions")
 COMPLETIONS_PATHS = ("/v1/completions", "/completions")
@@ -31,6 +34,7 @@ class Additions:
     harness_ids: bool  # the harness asked for return_token_ids itself
     harness_logprobs: bool
     harness_usage: bool  # streaming: the harness asked for the usage chunk
+    upstream_path: str | None = None  # served as it came
 
 
 def prepare_request(api: str, body: dict[str, Any]) -> Additions:
@@ -51,23 +55,18 @@ def prepare_request(api: str, body: dict[str, Any]) -> Additions:
     return added
 
 
-def _clear(obj: dict[str, Any], key: str) -> None:
-    if key in obj:  # vLLM always writes these keys, null when not asked for
-        obj[key] = None
-
-
 def strip_choice(choice: dict[str, Any], added: Additions) -> None:
     if not added.harness_ids:
-        _clear(choice, "token_ids")
-        _clear(choice, "prompt_token_ids")
+        clear(choice, "token_ids")
+        clear(choice, "prompt_token_ids")
     if not added.harness_logprobs:
-        _clear(choice, "logprobs")
+        clear(choice, "logprobs")
 
 
 def strip_response(answer: dict[str, Any], added: Additions) -> None:
     """Undo in a whole (non-streamed) answer what ``prepare_request`` made the upstream add."""
     if not added.harness_ids:
-        _clear(answer, "prompt_token_ids")
+        clear(answer, "prompt_token_ids")
     for choice in answer.get("choices") or []:
         strip_choice(choice, added)
 
@@ -77,20 +76,6 @@ def choice_logprobs(api: str, choice: dict[str, Any]) -> list[float]:
     if api == "chat":
         return [float(entry["logprob"]) for entry in logprobs.get("content") or []]
     return [float(x) for x in logprobs.get("token_logprobs") or []]
-
-
-@dataclass
-class Sampled:
-    """The token-level view of one answer (choice 0): what the record keeps."""
-
-    prompt_ids: list[int] | None = None
-    completion_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    finish_reason: str | None = None
-    usage: dict[str, Any] | None = None
-    model: str | None = None
-    response_id: str | None = None
-    n_choices: int = 0
 
 
 def sampled_from_response(api: str, answer: dict[str, Any]) -> Sampled:
@@ -109,6 +94,12 @@ def sampled_from_response(api: str, answer: dict[str, Any]) -> Sampled:
     )
 
 
+def finish(added: Additions, answer: dict[str, Any]) -> tuple[Sampled, dict[str, Any]]:
+    sampled = sampled_from_response(added.api, answer)
+    strip_response(answer, added)
+    return sampled, answer
+
+
 class StreamState:
     """Gathers ids and logprobs from SSE chunks and strips them from each chunk on its way to the harness."""
 
@@ -119,6 +110,10 @@ class StreamState:
         self.tool_calls: dict[int, dict[str, Any]] = {}
         self.done = False  # saw [DONE]
         self.events = 0
+
+    def feed_event(self, raw: bytes) -> list[bytes]:
+        out = rewrite_event(raw, self.on_event)
+        return [out] if out is not None else []
 
     def on_event(self, data: str) -> str | None:
         """One SSE ``data:`` payload in; the payload to send on (None: drop the event)."""
@@ -138,10 +133,10 @@ class StreamState:
         if not self.added.harness_usage and not chunk.get("choices") and chunk.get("usage") is not None:
             return None  # the usage chunk exists only because we asked for it
         if not self.added.harness_ids:
-            _clear(chunk, "prompt_token_ids")
+            clear(chunk, "prompt_token_ids")
         for choice in chunk.get("choices") or []:
             strip_choice(choice, self.added)
-        return json.dumps(chunk, ensure_ascii=False, separators=(",", ":"))
+        return compact(chunk)
 
     def _gather(self, chunk: dict[str, Any]) -> None:
         sampled = self.sampled
