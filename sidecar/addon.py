@@ -39,7 +39,14 @@ from sidecar.apis.base import Sampled
 from sidecar.metrics import Metrics
 from sidecar.prefix import PrefixIndex
 from sidecar.record import harness_from_user_agent
-from sidecar.redact import configured_secrets, redacted_json, redacted_text, scrub_text, secrets_in_headers
+from sidecar.redact import (
+    configured_secrets,
+    redacted_json,
+    redacted_text,
+    scrub_text,
+    secrets_in_body,
+    secrets_in_headers,
+)
 from sidecar.sse import EventFramer
 from sidecar.store import open_store
 from sidecar.writer import RecordWriter, now_us, pack_floats, pack_ids, sidecar_identity
@@ -174,6 +181,7 @@ class Forge:
             return
         if api == "responses_socket":
             # Codex tries a WebSocket on GET /v1/responses first; a plain refusal makes it POST at once.
+            self.metrics.inc("websocket_refused_total")
             flow.response = http.Response.make(
                 426, json.dumps({"error": {"message": "WebSocket transport is not served here: use POST",
                                            "type": "invalid_request_error", "code": "websocket_not_supported"}}),
@@ -283,6 +291,7 @@ class Forge:
                 {"note": "unparsable request", "bytes": len(flow.request.raw_content or b"")}
             )
             return
+        call.secrets += secrets_in_body(body)
         size = len(content or b"")
         # The record keeps the request as the harness sent it (redacted), not as the upstream got it.
         call.request_json = (

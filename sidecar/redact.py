@@ -12,7 +12,12 @@ SECRET_HEADERS = frozenset(
     {"authorization", "proxy-authorization", "x-api-key", "api-key", "cookie", "set-cookie", "x-goog-api-key",
      "openai-organization", "openai-project", "x-codex-turn-metadata", "chatgpt-account-id"}
 )  # fmt: skip
-SECRET_KEYS = re.compile(r"(?i)^(api[-_]?key|secret|password|token|access[-_]?token|authorization)$")
+# Credentials, and the ids that identify a person's installation or device (Codex sends its installation id in
+# the body's client_metadata and in x-codex-turn-metadata).
+_SECRET_KEY_NAMES = (
+    r"(x-codex-)?(api[-_]?key|secret|password|token|access[-_]?token|authorization|installation[-_]?id|device[-_]?id)"
+)
+SECRET_KEYS = re.compile(rf"(?i)^{_SECRET_KEY_NAMES}$")
 REDACTED = "[REDACTED]"
 MIN_SECRET_LEN = 6  # shorter values would scrub ordinary words
 
@@ -32,6 +37,8 @@ def secrets_in_headers(headers: Any) -> list[str]:
         if name.lower() not in SECRET_HEADERS or not value:
             continue
         found.append(value)
+        if name.lower() == "x-codex-turn-metadata":
+            found += _ids_in_json(value)
         scheme, _, credential = value.partition(" ")
         if credential:
             found.append(credential)
@@ -43,6 +50,31 @@ def secrets_in_headers(headers: Any) -> list[str]:
                     found.append(password)  # the user name is the episode id in regular mode: not a secret
                 except (binascii.Error, ValueError):
                     pass
+    return found
+
+
+def _ids_in_json(text: str) -> list[str]:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return []
+    if not isinstance(value, dict):
+        return []
+    return [str(v) for k, v in value.items() if SECRET_KEYS.match(str(k)) and v]
+
+
+def secrets_in_body(body: dict[str, Any]) -> list[str]:
+    """Identifying ids a harness puts in its request metadata (Codex: ``client_metadata``)."""
+    found: list[str] = []
+    for field in ("client_metadata", "metadata"):
+        metadata = body.get(field)
+        if not isinstance(metadata, dict):
+            continue
+        for key, value in metadata.items():
+            if SECRET_KEYS.match(str(key)) and value:
+                found.append(str(value))
+            elif isinstance(value, str) and value.startswith("{"):
+                found += _ids_in_json(value)
     return found
 
 
@@ -65,7 +97,7 @@ def redacted_json(value: Any, secrets: list[str]) -> str:
     return scrub_text(json.dumps(scrub_json(value), ensure_ascii=False, separators=(",", ":")), secrets)
 
 
-_SECRET_KEY_TEXT = re.compile(r'(?i)"(api[-_]?key|secret|password|token|access[-_]?token|authorization)"\s*:')
+_SECRET_KEY_TEXT = re.compile(rf'(?i)"{_SECRET_KEY_NAMES}"\s*:')
 
 
 def redacted_text(text: str, secrets: list[str]) -> str:

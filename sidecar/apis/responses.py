@@ -3,13 +3,15 @@
 
 vLLM gives the token ids of the rendered prompt (``input_messages[].tokens``) and of the sampled output
 (``output_messages[].tokens``) in the whole answer, and when streaming only in ``response.completed``: a stream
-cut before that event has text and logprobs but no ids. Logprobs come for output text only; tokens that vLLM
-parsed into a ``function_call`` item have none, so such a call records its ids and null logprobs, with a note.
+cut before that event has text and logprobs but no ids. Logprobs come for output text only: an answer with a
+``function_call`` item records its ids with NaN logprobs, and a stream's final response lacks the end-of-turn
+token's logprob (NaN); the record's ``note`` says so. Ids are always exact; a NaN logprob means "not given".
 What the harness gets is what vLLM writes when not asked: message lists null, delta logprobs ``[]``, the
 logprobs of finished text parts null, ``top_logprobs`` null.
 """
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +20,7 @@ from sidecar.sse import rewrite_event
 
 PATHS = ("/v1/responses", "/responses")
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
-NO_LOGPROBS_NOTE = "vLLM gives no logprobs for function-call tokens: completion_logprobs left null"
+NO_LOGPROBS_NOTE = "vLLM gives no logprobs for function-call output: completion_logprobs are NaN"
 
 
 @dataclass
@@ -79,11 +81,19 @@ def sampled_from_response(response: dict[str, Any]) -> Sampled:
         for entry in content.get("logprobs") or []
     ]
     note = None
-    if len(logprobs) != len(completion):
-        note = NO_LOGPROBS_NOTE if any(i.get("type") == "function_call" for i in response.get("output") or []) else (
-            f"{len(logprobs)} logprobs for {len(completion)} ids: completion_logprobs left null"
-        )  # fmt: skip
-        logprobs = []
+    missing = len(completion) - len(logprobs)
+    if any(item.get("type") == "function_call" for item in response.get("output") or []):
+        note, logprobs = NO_LOGPROBS_NOTE, [math.nan] * len(completion)
+    elif missing > 0:  # a stream's final response lacks the end-of-turn token's logprob
+        note, logprobs = (
+            f"vLLM gave no logprob for the last {missing} of {len(completion)} ids: NaN",
+            logprobs + [math.nan] * missing,
+        )
+    elif missing < 0:
+        note, logprobs = (
+            f"{len(logprobs)} logprobs for {len(completion)} ids: completion_logprobs left NaN",
+            [math.nan] * len(completion),
+        )
     details = response.get("incomplete_details") or {}
     return Sampled(
         prompt_ids=prompt,

@@ -1,0 +1,274 @@
+"""The Responses and Messages modules without a proxy: what is added and hidden, the Anthropic translation both
+ways, and the events we emit checked against the official ``anthropic`` SDK's types."""
+
+import json
+import math
+
+import pydantic
+import pytest
+from anthropic.types import Message, RawMessageStreamEvent
+
+from sidecar import apis
+from sidecar.apis import messages, responses
+from sidecar.redact import REDACTED, redacted_text, secrets_in_body, secrets_in_headers
+
+EVENT = pydantic.TypeAdapter(RawMessageStreamEvent)
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "api"),
+    [("POST", "/v1/chat/completions", "chat"), ("POST", "/v1/completions", "completions"),
+     ("POST", "/v1/responses", "responses"), ("POST", "/v1/messages?beta=true", "messages"),
+     ("POST", "/v1/messages/count_tokens?beta=true", "count_tokens"), ("GET", "/v1/models", "models"),
+     ("GET", "/v1/responses", "responses_socket"), ("GET", "/v1/chat/completions", None),
+     ("POST", "/v1/embeddings", None)],
+)  # fmt: skip
+def test_the_api_is_found_from_method_and_path(method, path, api):
+    assert apis.api_for(method, path) == api
+
+
+def sse(data: dict | str, event: str | None = None) -> bytes:
+    payload = data if isinstance(data, str) else json.dumps(data)
+    return (f"event: {event}\n" if event else "").encode() + f"data: {payload}\n\n".encode()
+
+
+def parse_events(raw: list[bytes]) -> list[tuple[str, dict]]:
+    out = []
+    for event in raw:
+        lines = event.decode().strip().split("\n")
+        name = next(line[7:] for line in lines if line.startswith("event: "))
+        data = json.loads(next(line[6:] for line in lines if line.startswith("data: ")))
+        assert data["type"] == name  # Anthropic's event name and payload type agree
+        out.append((name, data))
+    return out
+
+
+# -- Responses ----------------------------------------------------------------------------------------------
+def test_responses_prepare_asks_for_ids_and_logprobs_and_keeps_the_harness_include():
+    body: dict = {"input": "hi", "include": ["reasoning.encrypted_content"]}
+    added = responses.prepare_request("responses", body)
+    assert body["enable_response_messages"] is True
+    assert body["include"] == ["reasoning.encrypted_content", responses.LOGPROBS_INCLUDE]
+    assert not added.harness_logprobs and not added.harness_messages
+
+
+def whole_response(logprobs: list[float], tokens: list[int], function_call: bool = False) -> dict:
+    output: list[dict] = [{"type": "message", "content": [{"type": "output_text", "text": "hi", "logprobs": [
+        {"token": "x", "logprob": lp, "top_logprobs": []} for lp in logprobs]}]}]  # fmt: skip
+    if function_call:
+        output.append({"type": "function_call", "name": "f", "arguments": "{}", "call_id": "c1"})
+    return {"id": "resp_1", "model": "m", "status": "completed", "top_logprobs": 0, "output": output,
+            "input_messages": [{"tokens": [1, 2, 3]}], "output_messages": [{"tokens": tokens}]}  # fmt: skip
+
+
+def test_responses_whole_answer_gives_ids_and_hides_them():
+    added = responses.prepare_request("responses", {"input": "hi"})
+    sampled, answer = responses.finish(added, whole_response([-0.5, -0.25], [7, 8]))
+    assert sampled.prompt_ids == [1, 2, 3] and sampled.completion_ids == [7, 8]
+    assert sampled.logprobs == [-0.5, -0.25] and sampled.note is None
+    assert answer["input_messages"] is None and answer["output_messages"] is None and answer["top_logprobs"] is None
+    assert answer["output"][0]["content"][0]["logprobs"] is None
+
+
+def test_responses_without_logprobs_for_some_ids_say_so_and_keep_them_aligned():
+    added = responses.prepare_request("responses", {"input": "hi"})
+    sampled, _ = responses.finish(added, whole_response([-0.5], [7, 2]))  # end-of-turn logprob not given
+    assert sampled.logprobs[0] == -0.5 and math.isnan(sampled.logprobs[1]) and "last 1 of 2" in (sampled.note or "")
+    sampled, _ = responses.finish(added, whole_response([-0.5], [7, 8, 9], function_call=True))
+    assert len(sampled.logprobs) == 3 and all(math.isnan(x) for x in sampled.logprobs)
+    assert sampled.note == responses.NO_LOGPROBS_NOTE
+
+
+def test_responses_stream_hides_delta_logprobs_and_takes_ids_from_completed():
+    state = responses.StreamState(responses.prepare_request("responses", {"input": "hi", "stream": True}))
+    delta = {"type": "response.output_text.delta", "delta": "hi", "logprobs": [{"token": "hi", "logprob": -1.0}]}
+    (out,) = state.feed_event(sse(delta, "response.output_text.delta"))
+    assert out.startswith(b"event: response.output_text.delta\n")
+    assert json.loads(out.split(b"data: ", 1)[1])["logprobs"] == [] and not state.done
+    unchanged = sse({"type": "response.output_item.added", "item": {"type": "message", "content": []}}, "x")
+    assert state.feed_event(unchanged) == [unchanged]  # byte for byte
+    completed = {"type": "response.completed", "response": whole_response([-1.0], [9])}
+    (out,) = state.feed_event(sse(completed, "response.completed"))
+    assert state.done and state.sampled.completion_ids == [9] and state.sampled.prompt_ids == [1, 2, 3]
+    sent = json.loads(out.split(b"data: ", 1)[1])["response"]
+    assert sent["input_messages"] is None and sent["output"][0]["content"][0]["logprobs"] is None
+
+
+# -- Messages: request translation --------------------------------------------------------------------------
+CLAUDE_CODE_LIKE = {
+    "model": "claude-sonnet-4-5", "max_tokens": 64, "stream": True, "stop_sequences": ["END"],
+    "system": [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.3; cch=9f8e7;"},
+               {"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}}],
+    "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "List files."}]},
+        {"role": "system", "content": "x-anthropic-billing-header: again"},
+        {"role": "system", "content": [{"type": "text", "text": "Reminder: be careful."}]},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "hmm", "signature": "s"},
+                                          {"type": "text", "text": "Running ls."},
+                                          {"type": "tool_use", "id": "toolu_1", "name": "Bash",
+                                           "input": {"command": "ls"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                      "content": [{"type": "text", "text": "a.txt"}]},
+                                     {"type": "text", "text": "Now read it."}]},
+    ],
+    "tools": [{"name": "Bash", "description": "Run a command", "input_schema": {"type": "object"}},
+              {"type": "web_search_20250305", "name": "web_search"}],
+    "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
+    "thinking": {"type": "enabled", "budget_tokens": 1024}, "metadata": {"user_id": "u"},
+}  # fmt: skip
+
+
+def test_a_claude_code_request_becomes_the_chat_request_vllm_would_build():
+    chat = messages.to_chat_request(json.loads(json.dumps(CLAUDE_CODE_LIKE)))
+    assert chat["messages"] == [
+        {"role": "system", "content": "You are Claude Code."},  # the billing line is gone
+        {"role": "user", "content": "List files."},
+        {"role": "system", "content": "Reminder: be careful."},  # kept in place; the billing-only one dropped
+        {"role": "assistant", "reasoning": "hmm", "content": "Running ls.", "tool_calls": [
+            {"id": "toolu_1", "type": "function", "function": {"name": "Bash", "arguments": '{"command": "ls"}'}}]},
+        {"role": "tool", "tool_call_id": "toolu_1", "content": "a.txt"},
+        {"role": "user", "content": "Now read it."},
+    ]  # fmt: skip
+    assert chat["tools"] == [{"type": "function", "function": {
+        "name": "Bash", "description": "Run a command", "parameters": {"type": "object"}}}]  # fmt: skip
+    assert chat["tool_choice"] == "required" and chat["parallel_tool_calls"] is False
+    assert chat["stop"] == ["END"] and chat["max_tokens"] == 64 and chat["stream"] is True
+    assert "thinking" not in chat and "metadata" not in chat and "reasoning_effort" not in chat
+
+
+def test_the_billing_line_changes_nothing_between_calls():
+    first, second = (json.loads(json.dumps(CLAUDE_CODE_LIKE)) for _ in range(2))
+    second["system"][0]["text"] = "x-anthropic-billing-header: cc_version=2.1.3; cch=00000;"
+    assert messages.to_chat_request(first) == messages.to_chat_request(second)
+
+
+def test_prepare_replaces_the_body_and_asks_chat_for_ids():
+    body = json.loads(json.dumps(CLAUDE_CODE_LIKE))
+    added = messages.prepare_request("messages", body)
+    assert added.upstream_path == "/v1/chat/completions" and added.stream
+    assert body["return_token_ids"] is True and body["logprobs"] is True and "system" not in body
+
+
+def test_a_request_that_is_not_messages_is_refused_for_translation():
+    with pytest.raises(messages.TranslationError):
+        messages.prepare_request("messages", {"model": "m"})
+
+
+# -- Messages: answers ----------------------------------------------------------------------------------------
+def chat_answer(content: str | None, tool_calls: list | None = None, finish: str = "stop", stop_reason=None):
+    return {
+        "id": "chatcmpl-abc", "model": "policy", "prompt_token_ids": [1, 2],
+        "choices": [{"index": 0, "finish_reason": finish, "stop_reason": stop_reason, "token_ids": [5, 6],
+                     "logprobs": {"content": [{"logprob": -0.1}, {"logprob": -0.2}]},
+                     "message": {"role": "assistant", "content": content, "tool_calls": tool_calls or []}}],
+        "usage": {"prompt_tokens": 2, "completion_tokens": 2},
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("answer", "stop_reason", "kinds"),
+    [(chat_answer("hello"), "end_turn", ["text"]),
+     (chat_answer("he", finish="length"), "max_tokens", ["text"]),
+     (chat_answer("x", stop_reason="END"), "stop_sequence", ["text"]),
+     (chat_answer(None, [{"id": "c1", "type": "function", "function": {"name": "Bash", "arguments": '{"a": 1}'}}],
+                  finish="tool_calls"), "tool_use", ["tool_use"]),
+     (chat_answer(""), "end_turn", ["text"])],
+)  # fmt: skip
+def test_a_whole_chat_answer_becomes_an_anthropic_message(answer, stop_reason, kinds):
+    added = messages.prepare_request("messages", {"model": "m", "messages": [{"role": "user", "content": "x"}]})
+    sampled, message = messages.finish(added, answer)
+    parsed = Message.model_validate(message)  # the SDK's own type
+    assert parsed.stop_reason == stop_reason and [block.type for block in parsed.content] == kinds
+    assert parsed.usage.input_tokens == 2 and parsed.usage.output_tokens == 2 and parsed.id.startswith("msg_")
+    assert sampled.prompt_ids == [1, 2] and sampled.completion_ids == [5, 6] and sampled.logprobs == [-0.1, -0.2]
+    if stop_reason == "stop_sequence":
+        assert parsed.stop_sequence == "END"
+    if kinds == ["tool_use"]:
+        assert parsed.content[0].input == {"a": 1}  # type: ignore[union-attr]
+
+
+def chat_stream_chunks() -> list[dict]:
+    def chunk(delta: dict, token_ids: list[int], finish: str | None = None, **extra) -> dict:
+        logprobs = {"content": [{"logprob": -0.5} for _ in token_ids]}
+        return {"id": "chatcmpl-1", "model": "policy", "choices": [
+            {"index": 0, "delta": delta, "token_ids": token_ids, "logprobs": logprobs, "finish_reason": finish}
+        ], **extra}  # fmt: skip
+
+    return [
+        chunk({"role": "assistant", "content": ""}, [], prompt_token_ids=[1, 2, 3]),
+        chunk({"content": "Let me"}, [10, 11]),
+        chunk({"content": " check."}, [12]),
+        chunk(
+            {
+                "tool_calls": [
+                    {"index": 0, "id": "call_1", "type": "function", "function": {"name": "Bash", "arguments": ""}}
+                ]
+            },
+            [13],
+        ),
+        chunk({"tool_calls": [{"index": 0, "function": {"arguments": '{"command":'}}]}, [14]),
+        chunk({"tool_calls": [{"index": 0, "function": {"arguments": ' "ls"}'}}]}, [15], finish="tool_calls"),
+        {"id": "chatcmpl-1", "model": "policy", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 6}},
+    ]
+
+
+def test_a_chat_stream_becomes_the_full_anthropic_event_sequence():
+    body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "x"}]}
+    state = messages.StreamState(messages.prepare_request("messages", body))
+    raw = [event for chunk in chat_stream_chunks() for event in state.feed_event(sse(chunk))]
+    assert not state.done
+    raw += state.feed_event(sse("[DONE]"))
+    assert state.done
+    events = parse_events(raw)
+    for name, data in events:  # every event is one the official SDK knows (it reads pings and skips them)
+        assert data == {"type": "ping"} if name == "ping" else EVENT.validate_python(data)
+    names = [name for name, _ in events]
+    assert names == [
+        "message_start", "ping",
+        "content_block_start", "content_block_delta", "content_block_delta", "content_block_stop",
+        "content_block_start", "content_block_delta", "content_block_delta", "content_block_stop",
+        "message_delta", "message_stop",
+    ]  # fmt: skip
+    assert events[0][1]["message"]["usage"]["input_tokens"] == 3
+    assert events[6][1]["content_block"] == {"type": "tool_use", "id": "call_1", "name": "Bash", "input": {}}
+    arguments = "".join(d["delta"]["partial_json"] for _, d in events if d.get("delta", {}).get("partial_json"))
+    assert json.loads(arguments) == {"command": "ls"}
+    assert events[-2][1]["delta"]["stop_reason"] == "tool_use" and events[-2][1]["usage"]["output_tokens"] == 6
+    sampled = state.sampled
+    assert sampled.prompt_ids == [1, 2, 3] and sampled.completion_ids == [10, 11, 12, 13, 14, 15]
+    assert len(sampled.logprobs) == 6 and sampled.response_id == "msg_1"
+
+
+def test_the_sdk_accumulates_our_stream_into_the_message_it_describes():
+    from anthropic.lib.streaming._messages import accumulate_event
+
+    body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "x"}]}
+    state = messages.StreamState(messages.prepare_request("messages", body))
+    raw = [event for chunk in chat_stream_chunks() for event in state.feed_event(sse(chunk))]
+    raw += state.feed_event(sse("[DONE]"))
+    snapshot, json_bufs = None, {}  # type: ignore[var-annotated]
+    for name, data in parse_events(raw):
+        if name != "ping":
+            event = EVENT.validate_python(data)
+            snapshot = accumulate_event(event=event, current_snapshot=snapshot, json_bufs=json_bufs)
+    assert snapshot is not None
+    assert [block.type for block in snapshot.content] == ["text", "tool_use"]
+    assert snapshot.content[0].text == "Let me check."  # type: ignore[union-attr]
+    assert snapshot.content[1].input == {"command": "ls"}  # type: ignore[union-attr]
+
+
+def test_an_upstream_error_is_said_in_anthropics_format():
+    body = json.loads(messages.error_body(400, json.dumps({"error": {"message": "too long", "code": 400}})))
+    assert body == {"type": "error", "error": {"type": "invalid_request_error", "message": "too long"}}
+
+
+# -- Codex's identifying ids ----------------------------------------------------------------------------------
+def test_codex_installation_ids_never_reach_a_record():
+    installation = "8043f8d7-e3f3-4643-987c-011d005824bd"
+    turn = json.dumps({"installation_id": installation, "session_id": "s-1", "turn_id": "t-1"})
+    body = {"input": "hi", "client_metadata": {"x-codex-installation-id": installation,
+                                               "x-codex-turn-metadata": turn, "session_id": "s-1"}}  # fmt: skip
+    text = json.dumps(body)
+    for secrets in (secrets_in_body(body), secrets_in_headers({"x-codex-turn-metadata": turn})):
+        scrubbed = redacted_text(text, secrets)
+        assert installation not in scrubbed and REDACTED in scrubbed and "s-1" in scrubbed
