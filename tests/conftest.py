@@ -37,7 +37,7 @@ def tokenizer(prepared_model: PreparedModel):
 def policy_server(prepared_model: PreparedModel, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PolicyServer]:
     """A real vLLM (CPU build) server with SmolLM2-135M-Instruct, as `forge serve` starts it."""
     server = PolicyServer(
-        model=prepared_model.serve_dir, port=free_port(), max_model_len=4096,
+        model=prepared_model.serve_dir, port=free_port(), max_model_len=16384,  # harness prompts run long
         run_dir=tmp_path_factory.mktemp("vllm"), start_timeout=VLLM_START_TIMEOUT_S,
     )  # fmt: skip
     try:
