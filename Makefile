@@ -4,7 +4,7 @@ PY := .venv/bin/python
 FORGE := .venv/bin/forge
 PYTEST_ARGS ?=
 
-.PHONY: env model test lint typecheck unit demo clean-runs
+.PHONY: env model harnesses test lint typecheck unit demo clean-runs
 
 # The three environments (main, sidecar, policy server), built once from requirements/*.txt and reused.
 env:
@@ -16,6 +16,10 @@ env:
 model: env
 	@HF_HUB_OFFLINE=1 $(FORGE) model prepare
 
+# The real harnesses the end-to-end tests drive (pinned; installed once from npm into $FORGE_CACHE).
+harnesses:
+	@scripts/harness.sh codex >/dev/null
+
 lint: env
 	.venv/bin/ruff check .
 	.venv/bin/ruff format --check .
@@ -25,7 +29,7 @@ typecheck: env
 
 # Everything: lint, types, unit and integration tests (the integration tests start real vLLM servers).
 # pytest's exit 5 (nothing collected) is a failure here, said in words.
-test: lint typecheck model
+test: lint typecheck model harnesses
 	@HF_HUB_OFFLINE=1 $(PY) -m pytest $(PYTEST_ARGS); code=$$?; \
 	  if [ $$code = 5 ]; then echo "make test: pytest collected no tests: that is a failure"; fi; exit $$code
 

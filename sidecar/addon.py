@@ -116,6 +116,7 @@ class Forge:
         add("forge_model_map", str, "*", "Comma-separated PATTERN[=MODEL]: requested names served by MODEL.")
         add("forge_policy_version", str, "", "Fixed policy version (default: polled from /weight_info).")
         add("forge_model_hosts", str, DEFAULT_MODEL_HOSTS, "Comma-separated hosts whose model paths are taken.")
+        add("forge_max_completion_tokens", int, 0, "Bound every completion to this many tokens (0: as asked).")
         add("forge_admin_port", int, 0, "Loopback port of the admin endpoint (POST /reward, GET /metrics); 0: off.")
         add("forge_flush_rows", int, 2000, "Close a WAL segment after this many records.")
         add("forge_flush_bytes", int, 64 << 20, "Close a WAL segment after this many bytes.")
@@ -303,6 +304,8 @@ class Forge:
         served = self._served_model(call.model_requested)
         if served:
             body["model"] = served
+        if cap := ctx.options.forge_max_completion_tokens:
+            apis.cap_completion_tokens(api, body, cap)
         call.module = apis.module_for(api)
         try:
             call.added = call.module.prepare_request(api, body)

@@ -74,17 +74,18 @@ def mitmdump_command(
 @click.option("--flush-seconds", type=float, default=5.0, show_default=True)
 @click.option("--flush-rows", type=int, default=2000, show_default=True)
 @click.option("--max-wal-bytes", type=int, default=4 << 30, show_default=True)
+@click.option("--max-completion-tokens", type=int, default=0, help="Bound every completion (rollout length); 0: off.")
 def sidecar_command(
     mode: str, listen_host: str, listen_port: int, upstream: str, store: str, s3_endpoint: str | None,
     wal_dir: Path | None, episode_id: str | None, task_id: str | None, run_id: str | None, admin_port: int,
     model_map: str, model_hosts: str, policy_version: str | None, flush_seconds: float, flush_rows: int,
-    max_wal_bytes: int,
+    max_wal_bytes: int, max_completion_tokens: int,
 ) -> None:  # fmt: skip
     """Run the capture sidecar: serve model calls from the policy and record them token by token.
 
-    Model calls (POST /v1/chat/completions and /v1/completions to a model host, or any host in reverse mode)
-    go to --upstream with token ids and logprobs requested, and are recorded to --store; everything else
-    passes through untouched and unrecorded. SIGTERM flushes all records before exiting.
+    Model calls (Chat Completions, Completions, Responses, Anthropic Messages to a model host, or to any host
+    in reverse mode) go to --upstream with token ids and logprobs requested, and are recorded to --store;
+    everything else passes through untouched and unrecorded. SIGTERM flushes all records before exiting.
     """
     if not (mode in ("regular", "transparent") or mode.startswith("reverse:")):
         raise ForgeError(f"unknown --mode {mode!r}: use regular, reverse:URL or transparent")
@@ -99,7 +100,8 @@ def sidecar_command(
         mode, listen_host, listen_port, upstream, store, wal, confdir, episode_id,
         {"task_id": task_id, "run_id": run_id, "admin_port": admin_port or None, "model_map": model_map,
          "model_hosts": model_hosts, "policy_version": policy_version, "s3_endpoint": s3_endpoint,
-         "flush_seconds": flush_seconds, "flush_rows": flush_rows, "max_wal_bytes": max_wal_bytes},
+         "flush_seconds": flush_seconds, "flush_rows": flush_rows, "max_wal_bytes": max_wal_bytes,
+         "max_completion_tokens": max_completion_tokens or None},
     )  # fmt: skip
     os.execv(args[0], args)  # mitmdump itself gets SIGTERM and flushes in its `done` hook
 

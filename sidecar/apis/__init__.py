@@ -13,6 +13,11 @@ from sidecar.apis import messages, openai, responses
 
 RECORDED = {"chat": openai, "completions": openai, "responses": responses, "messages": messages}
 MODEL_LIST_PATHS = ("/v1/models", "/models")
+# The request fields that bound the completion's length, per API (the first is set when none is given).
+MAX_TOKEN_FIELDS = {
+    "chat": ("max_tokens", "max_completion_tokens"), "completions": ("max_tokens",),
+    "responses": ("max_output_tokens",), "messages": ("max_tokens",),
+}  # fmt: skip
 
 
 def api_for(method: str, path: str) -> str | None:
@@ -36,3 +41,16 @@ def api_for(method: str, path: str) -> str | None:
 
 def module_for(api: str) -> ModuleType:
     return RECORDED[api]
+
+
+def cap_completion_tokens(api: str, body: dict, cap: int) -> bool:
+    """Bound the completion to ``cap`` tokens (a rollout's response length); True if the request changed."""
+    fields = MAX_TOKEN_FIELDS[api]
+    changed = False
+    for name in fields:
+        value = body.get(name)
+        if isinstance(value, int) and value > cap:
+            body[name], changed = cap, True
+    if not any(isinstance(body.get(name), int) for name in fields):
+        body[fields[0]], changed = cap, True
+    return changed

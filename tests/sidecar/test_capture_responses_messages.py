@@ -10,6 +10,7 @@ How a test knows the recorded ids are the ids vLLM sampled (greedy, so a second 
 
 import json
 import math
+from typing import Any
 
 import anthropic
 import httpx
@@ -65,7 +66,7 @@ def test_responses_records_the_ids_vllm_sampled(start_sidecar, policy_server, vl
             assert event.model_extra is None or not any(event.model_extra.get(k) for k in ADDED_RESPONSE_KEYS)
             if event.type == "response.output_text.delta":
                 assert event.logprobs == []  # what vLLM sends when logprobs were not asked for
-        reply = events[-1].response  # type: ignore[union-attr]
+        reply = events[-1].response
     else:
         reply = sdk.responses.create(model="gpt-5-codex", **body)
     assert not any((reply.model_extra or {}).get(k) for k in ADDED_RESPONSE_KEYS)
@@ -136,7 +137,7 @@ def test_messages_are_served_with_ids_and_translated_back(
     sidecar = start_sidecar(policy_server.base_url)
     body = messages_body(with_tool)
     sdk = anthropic.Anthropic(base_url=sidecar.url, api_key="sk-ant-test-not-real", max_retries=0, timeout=120)
-    greedy = {"extra_body": {"temperature": 0}}
+    greedy: dict[str, Any] = {"extra_body": {"temperature": 0}}
     if stream:
         with sdk.messages.stream(model="claude-sonnet-4-5", **body, **greedy) as events:
             kinds = [event.type for event in events]  # the SDK parses and accumulates every event
@@ -183,7 +184,7 @@ def test_a_messages_stream_cut_by_the_client_is_recorded_truncated_with_the_ids_
 def test_count_tokens_and_the_model_list_are_answered_in_anthropics_format(start_sidecar, policy_server, vllm):
     sidecar = start_sidecar(policy_server.base_url)
     sdk = anthropic.Anthropic(base_url=sidecar.url, api_key="sk-ant-test-not-real", max_retries=0, timeout=60)
-    question = [{"role": "user", "content": "How many tokens is this?"}]
+    question: Any = [{"role": "user", "content": "How many tokens is this?"}]
     counted = sdk.messages.count_tokens(model="claude-sonnet-4-5", messages=question)
     rendered = vllm.post("/v1/messages/render", json={"model": policy_server.name, "max_tokens": 1,
                                                       "messages": question}).json()["token_ids"]  # fmt: skip
