@@ -213,3 +213,26 @@ def test_codex_websocket_upgrade_is_refused_at_once_and_post_still_served(start_
     served = httpx.post(f"{sidecar.url}/v1/responses", json={"model": "gpt-5-codex", "input": "hi",
                                                              "max_output_tokens": 4}, timeout=60)  # fmt: skip
     assert served.status_code == 200 and one_call(sidecar.store)["status"] == "ok"
+
+
+def test_claude_code_turns_share_their_prefix_despite_the_billing_line(start_sidecar, policy_server):
+    """Claude Code changes the billing line in system[0] on every call and puts system turns inside messages;
+    normalised the same way each time, the second turn's prompt still extends the first (a stored reference)."""
+    sidecar = start_sidecar(policy_server.base_url)
+    sdk = anthropic.Anthropic(base_url=sidecar.url, api_key="sk-ant-test-not-real", max_retries=0, timeout=120)
+
+    def system(cch: str) -> Any:
+        return [{"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1; cch={cch};"},
+                {"type": "text", "text": "You are a coding agent."}]  # fmt: skip
+
+    history: Any = [{"role": "user", "content": "Say hello."}]
+    first = sdk.messages.create(model="claude-sonnet-4-5", max_tokens=12, system=system("a1"), messages=history)
+    history += [
+        {"role": "assistant", "content": [{"type": "text", "text": b.text} for b in first.content if b.type == "text"]},
+        {"role": "system", "content": "<system-reminder>Keep answers short.</system-reminder>"},
+        {"role": "user", "content": "Now say goodbye."},
+    ]
+    sdk.messages.create(model="claude-sonnet-4-5", max_tokens=12, system=system("b2"), messages=history)
+    one, two = wait_for(lambda: len(calls := read_calls(sidecar.store)) == 2 and calls, what="two records")
+    assert two["parent_call_id"] == one["call_id"] and two["prefix_len"] >= len(one["prompt_token_ids"])
+    assert two["prompt_token_ids"][: len(one["prompt_token_ids"])] == one["prompt_token_ids"]
