@@ -79,6 +79,7 @@ class Call:
     framer: EventFramer | None = None
     first_token_at: int | None = None
     recorded: bool = False
+    stream_failed: bool = False
     error: str | None = None
 
 
@@ -364,6 +365,9 @@ class Forge:
     def _on_stream_data(self, flow: http.HTTPFlow, call: Call, data: bytes) -> list[bytes]:
         """One piece of the upstream's SSE body in; what the harness gets now out (never held past an event)."""
         assert call.framer is not None and call.stream is not None
+        if call.stream_failed:  # our code broke on this stream earlier: pass the rest on untouched
+            return [] if call.added.upstream_path else [data]
+        pending = call.framer.buffer + data  # what the harness has not got yet, should we fail on this piece
         try:
             if data == b"":  # end of the body
                 rest = call.framer.rest()
@@ -384,8 +388,16 @@ class Forge:
             return out
         except Exception as error:  # never break the stream because recording failed
             self._internal_error("stream", error)
-            call.recorded = True
-            return [data]
+            call.stream_failed = True
+            if not call.recorded:
+                call.error = f"recording failed mid-stream ({type(error).__name__}); the rest passed on unread"
+                try:
+                    self._record(flow, call, status="error")
+                except Exception as again:
+                    self._internal_error("stream record", again)
+            if call.added.upstream_path:  # a translated stream cannot go on raw: end it with the API's error
+                return [call.module.error_event("the proxy failed while translating this stream")]
+            return [pending]
 
     def _finish(self, flow: http.HTTPFlow, call: Call) -> None:
         response = flow.response
@@ -423,6 +435,8 @@ class Forge:
         assert self.writer is not None
         if sampled is not None and status == "ok" and (sampled.prompt_ids is None or not sampled.completion_ids):
             status, call.error = "error", "the upstream returned no token ids"
+        if status == "ok" and getattr(call.stream, "gather_error", None):
+            status, call.error = "error", f"ids not gathered: {call.stream.gather_error}"
         if sampled is not None and sampled.n_choices > 1:
             call.error = f"n={sampled.n_choices}: only choice 0 is recorded"
         prompt = pack_ids(sampled.prompt_ids) if sampled and sampled.prompt_ids is not None else None

@@ -25,7 +25,10 @@ from forge.errors import ForgeError
 from forge.paths import cache_dir, repo_root
 from trainer.model import MARKER, MODEL_NAME
 
-NATIVE_CONTEXT = 8192  # SmolLM2's; longer needs VLLM_ALLOW_LONG_MAX_MODEL_LEN
+# SmolLM2's trained context. Past it vLLM needs VLLM_ALLOW_LONG_MAX_MODEL_LEN, and its rotary table must be
+# sized to the longer length (max_position_embeddings): without that, a prompt past 8192 tokens reads past the
+# table on CPU and every later answer has -inf logprobs (measured: one 9k-token Claude Code prompt broke the server).
+NATIVE_CONTEXT = 8192
 
 
 def policy_python() -> Path:
@@ -114,6 +117,8 @@ class PolicyServer:
         ]  # fmt: skip
         if self.enforce_eager:
             args.append("--enforce-eager")
+        if self.max_model_len > NATIVE_CONTEXT:
+            args += ["--hf-overrides", json.dumps({"max_position_embeddings": self.max_model_len})]
         return args + list(self.extra_args)
 
     def environment(self) -> dict[str, str]:

@@ -11,6 +11,7 @@ Each module (``openai`` for Chat Completions and Completions, ``responses``, ``m
 """
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +29,11 @@ class Sampled:
     response_id: str | None = None
     n_choices: int = 0
     note: str | None = None  # what the record must say about these ids (e.g. logprobs the upstream did not give)
+
+
+def logprob(value: Any) -> float:
+    """A logprob as vLLM wrote it; null (it writes -inf as null) is kept as -inf, never a crash."""
+    return float(value) if value is not None else -math.inf
 
 
 def clear(obj: dict[str, Any], key: str, value: Any = None) -> None:

@@ -246,6 +246,11 @@ def _event(name: str, payload: dict[str, Any]) -> bytes:
     return f"event: {name}\ndata: {compact(payload)}\n\n".encode()
 
 
+def error_event(message: str) -> bytes:
+    """A stream's end in Anthropic's own terms, when it cannot go on."""
+    return _event("error", {"type": "error", "error": {"type": "api_error", "message": message}})
+
+
 class StreamState:
     """Chat-completion chunks in (ids gathered by the chat stream state), Anthropic events out, one for one."""
 
@@ -261,6 +266,7 @@ class StreamState:
         self.stop_reason: Any = None
         self.usage: dict[str, Any] | None = None
         self.done = False
+        self.gather_error: str | None = None  # set when the ids could not be gathered (the record says so)
 
     @property
     def sampled(self) -> Sampled:
@@ -279,7 +285,10 @@ class StreamState:
         )
         if not data:
             return []
-        self.chat.on_event(data)  # gathers ids, logprobs, usage, text, tool calls
+        try:
+            self.chat.on_event(data)  # gathers ids, logprobs, usage, text, tool calls
+        except Exception as error:  # recording broke: the harness still gets its translated stream
+            self.gather_error = self.gather_error or f"{type(error).__name__}: {error}"
         if data.strip() == "[DONE]":
             self.done = True
             return self._close()
@@ -290,9 +299,8 @@ class StreamState:
         if not isinstance(chunk, dict):
             return []
         if "error" in chunk and "choices" not in chunk:
-            error = chunk["error"] if isinstance(chunk["error"], dict) else {"message": str(chunk["error"])}
-            return [_event("error", {"type": "error", "error": {"type": "api_error",
-                                                                "message": str(error.get("message"))}})]  # fmt: skip
+            failure = chunk["error"] if isinstance(chunk["error"], dict) else {"message": str(chunk["error"])}
+            return [error_event(str(failure.get("message")))]
         out: list[bytes] = []
         if not self.started:
             self.started = True

@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from sidecar.apis.base import Sampled, clear, compact
+from sidecar.apis.base import Sampled, clear, compact, logprob
 from sidecar.sse import rewrite_event
 
 CHAT_PATHS = ("/v1/chat/completions", "/chat/completions")
@@ -74,8 +74,8 @@ def strip_response(answer: dict[str, Any], added: Additions) -> None:
 def choice_logprobs(api: str, choice: dict[str, Any]) -> list[float]:
     logprobs = choice.get("logprobs") or {}
     if api == "chat":
-        return [float(entry["logprob"]) for entry in logprobs.get("content") or []]
-    return [float(x) for x in logprobs.get("token_logprobs") or []]
+        return [logprob(entry.get("logprob")) for entry in logprobs.get("content") or []]
+    return [logprob(x) for x in logprobs.get("token_logprobs") or []]
 
 
 def sampled_from_response(api: str, answer: dict[str, Any]) -> Sampled:

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from sidecar.apis.base import Sampled, clear, compact
+from sidecar.apis.base import Sampled, clear, compact, logprob
 from sidecar.sse import rewrite_event
 
 PATHS = ("/v1/responses", "/responses")
@@ -73,7 +73,7 @@ def sampled_from_response(response: dict[str, Any]) -> Sampled:
         prompt = [token for message in inputs for token in message.get("tokens") or []]
     completion = [token for message in outputs for token in message.get("tokens") or []]
     logprobs = [
-        float(entry["logprob"])
+        logprob(entry.get("logprob"))
         for item in response.get("output") or []
         if item.get("type") == "message"
         for content in item.get("content") or []
@@ -142,7 +142,7 @@ class StreamState:
         changed = False
         if kind == "response.output_text.delta":
             self.text.append(event.get("delta") or "")
-            self.logprobs += [float(e["logprob"]) for e in event.get("logprobs") or []]
+            self.logprobs += [logprob(e.get("logprob")) for e in event.get("logprobs") or []]
             if not self.added.harness_logprobs and event.get("logprobs"):
                 event["logprobs"], changed = [], True
         elif kind == "response.output_item.done" and isinstance(event.get("item"), dict):

@@ -5,6 +5,7 @@ itself and with the prepared tokenizer.
 """
 
 import json
+import math
 from pathlib import Path
 
 import httpx
@@ -158,3 +159,24 @@ def test_a_lora_adapter_loads_serves_and_unloads(vllm, policy_server, lora_adapt
     assert unloaded.status_code == 200, unloaded.text
     gone = vllm.post("/v1/chat/completions", json={"model": "policy-lora", **body})
     assert gone.status_code == 404
+
+
+def test_a_prompt_past_the_native_context_leaves_the_server_sound(vllm, policy_server):
+    """Harness prompts (Claude Code: ~9k tokens) run past SmolLM2's 8192; the server must answer them and every
+    later call must keep finite logprobs (an undersized rotary table once turned them all to -inf)."""
+
+    def short_logprobs() -> list[float]:
+        body = {"model": policy_server.name, "prompt": "The quick brown fox", "max_tokens": 4, "temperature": 0,
+                "logprobs": 0}  # fmt: skip
+        answer = vllm.post("/v1/completions", json=body)
+        assert answer.status_code == 200, answer.text  # vLLM refuses to serialise -inf: a 400 here
+        return answer.json()["choices"][0]["logprobs"]["token_logprobs"]
+
+    before = short_logprobs()
+    long = vllm.post("/v1/completions", json={
+        "model": policy_server.name, "prompt": [1] + [253, 5356] * 4700, "max_tokens": 2, "logprobs": 0,
+    })  # fmt: skip
+    assert long.status_code == 200, long.text
+    assert long.json()["usage"]["prompt_tokens"] > 9000
+    assert all(math.isfinite(x) for x in long.json()["choices"][0]["logprobs"]["token_logprobs"])
+    assert short_logprobs() == pytest.approx(before, abs=1e-3)

@@ -1,6 +1,7 @@
 """`forge serve` as a user runs it: clear one-line failures, and a clean stop that leaves no engine behind."""
 
 import contextlib
+import json
 import os
 import queue
 import signal
@@ -34,6 +35,9 @@ def test_long_contexts_are_allowed_past_the_native_length(tmp_path):
     short = PolicyServer(model=tmp_path, run_dir=tmp_path, max_model_len=4096).environment()
     long = PolicyServer(model=tmp_path, run_dir=tmp_path, max_model_len=16384).environment()
     assert "VLLM_ALLOW_LONG_MAX_MODEL_LEN" not in short and long["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] == "1"
+    overrides = PolicyServer(model=tmp_path, run_dir=tmp_path, max_model_len=16384).command()
+    assert json.loads(overrides[overrides.index("--hf-overrides") + 1]) == {"max_position_embeddings": 16384}
+    assert "--hf-overrides" not in PolicyServer(model=tmp_path, run_dir=tmp_path, max_model_len=4096).command()
     assert long["TMPDIR"].startswith(str(tmp_path)) and long["VLLM_SERVER_DEV_MODE"] == "1"
 
 
