@@ -19,6 +19,7 @@ model: env
 # The real harnesses the end-to-end tests drive (pinned; installed once from npm into $FORGE_CACHE).
 harnesses:
 	@scripts/harness.sh codex >/dev/null
+	@scripts/harness.sh claude-code >/dev/null
 
 lint: env
 	.venv/bin/ruff check .

@@ -8,17 +8,15 @@ Codex samples (no temperature it lets us set), so the test checks exactness with
 """
 
 import json
-import math
 import os
 import shutil
-import statistics
 import subprocess
 from pathlib import Path
 
 import pytest
 
 from forge.paths import repo_root
-from tests.sidecar.conftest import read_calls, wait_for
+from tests.sidecar.conftest import assert_sampled_by_vllm, read_calls, wait_for
 
 pytestmark = pytest.mark.integration
 CODEX_TIMEOUT_S = 420
@@ -77,18 +75,7 @@ def test_codex_runs_a_task_through_the_sidecar_and_every_call_is_exact(
         received = json.loads(call["response_json"])
         if received.get("content"):
             assert tokenizer.decode(ids, skip_special_tokens=True).strip() == received["content"].strip()
-        forced = vllm.post("/v1/completions", json={
-            "model": policy_server.name, "prompt": call["prompt_token_ids"] + ids, "max_tokens": 1,
-            "prompt_logprobs": 0, "temperature": 0,
-        }).json()["choices"][0]["prompt_logprobs"][len(call["prompt_token_ids"]):]  # fmt: skip
-        # bf16 on CPU: a 4k-token prefill and step-by-step decoding differ by a few hundredths of a nat; a wrong
-        # id would differ by whole nats. (NaN: vLLM gave no logprob for that id; the record's note says so.)
-        gaps = [
-            abs(position[str(token)]["logprob"] - recorded)
-            for token, recorded, position in zip(ids, call["completion_logprobs"], forced, strict=True)
-            if not math.isnan(recorded)
-        ]
-        assert gaps and statistics.median(gaps) < 0.05 and max(gaps) < 0.5, gaps
+        assert_sampled_by_vllm(vllm, policy_server.name, call)
 
     # Codex's installation id (in its home and in every request's metadata) is in no record or log.
     installation = (home / "installation_id").read_text().strip()

@@ -1,0 +1,81 @@
+"""A real harness end to end: Claude Code (npm @anthropic-ai/claude-code, pinned by scripts/harness.sh) runs one
+task in print mode through the real sidecar against the real vLLM, speaking Anthropic Messages with streaming.
+
+Its calls are served through Chat Completions with ids and recorded token-exact: the prompt ids are vLLM's own
+rendering of the recorded request (``/v1/messages/render``), the completion ids pass the teacher-forcing check,
+and its per-call billing line does not stop the second call from extending the first.
+"""
+
+import itertools
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from forge.paths import repo_root
+from tests.sidecar.conftest import assert_sampled_by_vllm, read_calls, wait_for
+
+pytestmark = pytest.mark.integration
+CLAUDE_TIMEOUT_S = 420
+MAX_COMPLETION_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def claude() -> str:
+    found = subprocess.run([str(repo_root() / "scripts" / "harness.sh"), "claude-code"], capture_output=True, text=True)
+    if found.returncode != 0:
+        pytest.fail(f"cannot install Claude Code (`make harnesses`): {found.stderr.strip()}")
+    return found.stdout.strip()
+
+
+def test_claude_code_runs_a_task_through_the_sidecar_and_every_call_is_exact(
+    claude, start_sidecar, policy_server, vllm, tokenizer, tmp_path
+):
+    sidecar = start_sidecar(policy_server.base_url, extra=("--max-completion-tokens", str(MAX_COMPLETION_TOKENS)))
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "notes.txt").write_text("The answer is 42.\n")
+    env = {
+        "PATH": os.environ["PATH"], "HOME": str(tmp_path), "TMPDIR": str(tmp_path), "NO_COLOR": "1",
+        "ANTHROPIC_BASE_URL": sidecar.url, "ANTHROPIC_API_KEY": "sk-ant-test-not-a-real-key",
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1", "IS_SANDBOX": "1",
+        "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(MAX_COMPLETION_TOKENS),
+    }  # fmt: skip
+    run = subprocess.run(
+        [claude, "-p", "What does notes.txt say?", "--model", "claude-sonnet-4-5", "--max-turns", "2",
+         "--dangerously-skip-permissions"],
+        cwd=work, env=env, capture_output=True, text=True, timeout=CLAUDE_TIMEOUT_S, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    transcript = run.stdout + run.stderr
+    calls = wait_for(lambda: read_calls(sidecar.store), what="Claude Code's call records")
+    model_calls = [c for c in calls if c["harness"] == "claude-code" and c["api"] == "messages"]
+    ok = [c for c in model_calls if c["status"] == "ok"]
+    assert ok, f"no complete call recorded:\n{transcript[-3000:]}"
+    for call in ok:
+        assert call["stream"] and call["path"] == "/v1/chat/completions"  # served through chat, with ids
+        request = json.loads(call["request_json"])
+        assert request["system"][0]["text"].startswith("x-anthropic-billing-header")  # recorded as sent
+        # The sidecar ignores `thinking` (SmolLM2 cannot think; Claude Code's budget can even exceed max_tokens,
+        # which vLLM's own /v1/messages refuses); without it vLLM renders exactly the prompt that was served.
+        unthinking = {k: v for k, v in request.items() if k != "thinking"}
+        rendered = vllm.post("/v1/messages/render", json={**unthinking, "model": policy_server.name, "stream": False})
+        assert rendered.status_code == 200, rendered.text
+        assert call["prompt_token_ids"] == rendered.json()["token_ids"]
+        assert 0 < len(call["completion_token_ids"]) <= MAX_COMPLETION_TOKENS
+        received = json.loads(call["response_json"])
+        if received.get("content") and not received.get("tool_calls"):
+            decoded = tokenizer.decode(call["completion_token_ids"], skip_special_tokens=True)
+            assert decoded.strip() == received["content"].strip()
+        assert_sampled_by_vllm(vllm, policy_server.name, call)
+    # One conversation: a later turn is stored as a reference to the earlier one, its whole prompt shared (the
+    # billing line, different in every call, is normalised away).
+    extending = [
+        later for earlier, later in itertools.pairwise(ok)
+        if later["parent_call_id"] == earlier["call_id"] and later["prefix_len"] >= len(earlier["prompt_token_ids"])
+    ]  # fmt: skip
+    assert len(ok) == 1 or extending, [(c["call_id"], c["parent_call_id"], c["prefix_len"]) for c in ok]
+    assert "sk-ant-test-not-a-real-key" not in sidecar.log()
+    stored = b"".join(p.read_bytes() for p in Path(sidecar.store).rglob("*") if p.is_file())
+    assert b"sk-ant-test-not-a-real-key" not in stored
