@@ -1,0 +1,251 @@
+"""Incremental collection: the store's call and reward files → segments and episodes, kept in a state folder.
+
+The state folder (``<store>/_collector`` for a local store, else ``$FORGE_CACHE/collector/<hash of the URI>``,
+or ``--state DIR``) holds a manifest of the files already read (path, size, mtime, the episodes each holds)
+and the assembled segments and episodes. A run lists the store, reads only files that are new or changed,
+rebuilds the episodes those files touch (with their calls from older files, read with an ``episode_id`` filter)
+and keeps every other episode as it was, so the result equals a full rebuild. Sidecars publish files
+atomically (a hidden temporary name, then a rename; on S3 an object exists once uploaded), and hidden files are
+skipped, so running beside writing sidecars is safe: a file that lands during a run is read by the next one.
+"""
+
+import fcntl
+import hashlib
+import os
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+from tqdm import tqdm
+
+from collector.assemble import CALL_COLUMNS, NO_EPISODE_ID, REWARD_COLUMNS, assemble, finalize
+from collector.episode import EPISODE_SCHEMA, SEGMENT_SCHEMA
+from forge.errors import ForgeError
+from forge.paths import cache_dir
+from sidecar.record import CALL_SCHEMA, REWARD_SCHEMA
+from sidecar.store import Store, StoreError, open_store
+
+STATE_VERSION = "1"  # bump when the state's files change meaning: an old state is then rebuilt
+DEFAULT_IDLE_SECONDS = 600.0
+READ_THREADS = 4
+
+MANIFEST_SCHEMA = pa.schema(
+    [
+        pa.field("path", pa.string(), nullable=False),
+        pa.field("table", pa.string(), nullable=False),
+        pa.field("size", pa.int64(), nullable=False),
+        pa.field("mtime_ns", pa.int64()),
+        pa.field("episode_ids", pa.list_(pa.string()), nullable=False),
+    ],
+    metadata={"openforge.state_version": STATE_VERSION},
+)
+_COLUMNS = {"calls": CALL_COLUMNS, "rewards": REWARD_COLUMNS}
+_SCHEMAS = {"calls": CALL_SCHEMA, "rewards": REWARD_SCHEMA}
+
+
+@dataclass(frozen=True)
+class StoreFile:
+    path: str
+    table: str
+    size: int
+    mtime_ns: int | None
+
+
+@dataclass
+class Collection:
+    """The assembled store: one row per segment and one per episode, and what this run read."""
+
+    segments: pa.Table
+    episodes: pa.Table
+    files_read: int
+    episodes_rebuilt: int
+
+
+def default_state_dir(store_uri: str) -> Path:
+    parsed = urlparse(store_uri)
+    if parsed.scheme in ("", "file"):
+        return Path(os.path.abspath(parsed.path if parsed.scheme == "file" else store_uri)) / "_collector"
+    return cache_dir() / "collector" / hashlib.sha256(store_uri.rstrip("/").encode()).hexdigest()[:16]
+
+
+def open_existing_store(store_uri: str, s3_endpoint: str | None) -> Store:
+    parsed = urlparse(store_uri)
+    if parsed.scheme in ("", "file"):
+        root = os.path.abspath(parsed.path if parsed.scheme == "file" else store_uri)
+        if not os.path.isdir(root):
+            raise ForgeError(f"no store at {root}: pass --store FOLDER or s3://bucket/prefix")
+    try:
+        return open_store(store_uri, s3_endpoint)
+    except StoreError as error:
+        raise ForgeError(str(error)) from error
+
+
+class Collector:
+    def __init__(
+        self, store_uri: str, s3_endpoint: str | None = None, state_dir: Path | None = None,
+        idle_seconds: float = DEFAULT_IDLE_SECONDS, progress: bool | None = None,
+    ) -> None:  # fmt: skip
+        self.store = open_existing_store(store_uri, s3_endpoint)
+        self.state_dir = Path(state_dir) if state_dir else default_state_dir(store_uri)
+        self.idle_seconds = idle_seconds
+        self.progress = progress  # None: a bar only on a terminal
+
+    def list_files(self) -> list[StoreFile]:
+        found = []
+        for table in ("calls", "rewards"):
+            selector = pafs.FileSelector(self.store.path(table), recursive=True, allow_not_found=True)
+            try:
+                infos = self.store.filesystem.get_file_info(selector)
+            except OSError as error:
+                raise ForgeError(f"cannot list {self.store.uri}: {str(error).splitlines()[0]}") from error
+            for info in infos:
+                # Hidden names are files still being written (`.name.tmp`), never read.
+                hidden = info.base_name.startswith(".") or "/." in info.path[len(self.store.root) :]
+                if info.type == pafs.FileType.File and info.base_name.endswith(".parquet") and not hidden:
+                    found.append(StoreFile(info.path, table, info.size or 0, info.mtime_ns))
+        return sorted(found, key=lambda f: f.path)
+
+    def read(
+        self, files: list[StoreFile], table: str, episodes: set[str] | None = None, what: str = "reading"
+    ) -> list[pa.Table]:
+        """The rows of each of ``files`` (all of one table), optionally only those of the given episodes."""
+        columns = _COLUMNS[table]
+        filters = None
+        if episodes is not None:
+            filters = pc.field("episode_id").isin(sorted(episodes))
+            if NO_EPISODE_ID in episodes:
+                filters = filters | pc.field("episode_id").is_null()
+
+        def read_one(file: StoreFile) -> pa.Table:
+            try:
+                read = pq.read_table(file.path, filesystem=self.store.filesystem, columns=columns, filters=filters)
+            except (OSError, pa.ArrowInvalid) as error:
+                raise ForgeError(f"cannot read {file.path}: {str(error).splitlines()[0]}") from error
+            return read.cast(_SCHEMAS[table].select_fields(columns))
+
+        with ThreadPoolExecutor(READ_THREADS) as pool:
+            return list(
+                tqdm(pool.map(read_one, files), total=len(files), desc=f"{what} {table}", unit="file",
+                     disable=self._no_bar(len(files)), leave=False)
+            )  # fmt: skip
+
+    def _no_bar(self, n: int) -> bool | None:
+        if self.progress is None:
+            return None if n > 1 else True
+        return not self.progress
+
+    def update(self, rebuild: bool = False) -> Collection:
+        """Read what is new since the last run, rebuild the episodes it touches, save the state."""
+        with self._locked():
+            manifest, old_segments, old_episodes = ({}, None, None) if rebuild else self._load_state()
+            current = self.list_files()
+            current_paths = {f.path for f in current}
+            changed = [f for f in current if _changed(manifest.get(f.path), f)]
+            gone = [row for path, row in manifest.items() if path not in current_paths]
+            touched: set[str] = set()
+            for row in gone + [manifest[f.path] for f in changed if f.path in manifest]:
+                touched.update(row["episode_ids"])
+            new_rows: dict[str, list[pa.Table]] = {}
+            file_episodes: dict[str, list[str]] = {}
+            for table in ("calls", "rewards"):
+                files = [f for f in changed if f.table == table]
+                new_rows[table] = self.read(files, table, what="reading new")
+                for f, rows in zip(files, new_rows[table], strict=True):
+                    file_episodes[f.path] = sorted(
+                        pc.unique(pc.fill_null(rows["episode_id"], NO_EPISODE_ID)).to_pylist()
+                    )
+                    touched.update(file_episodes[f.path])
+
+            unchanged = [f for f in current if f.path in manifest and not _changed(manifest[f.path], f)]
+            inputs: dict[str, pa.Table] = {}
+            for table in ("calls", "rewards"):
+                older = [f for f in unchanged if f.table == table and touched & set(manifest[f.path]["episode_ids"])]
+                extra = self.read(older, table, episodes=touched, what="re-reading") if older else []
+                empty = pa.Table.from_pylist([], schema=_SCHEMAS[table]).select(_COLUMNS[table])
+                inputs[table] = pa.concat_tables([empty, *new_rows[table], *extra])
+
+            if touched or old_segments is None:
+                segments, episodes = assemble(inputs["calls"], inputs["rewards"])
+                if old_segments is not None and old_episodes is not None:
+                    keep = pa.array(sorted(touched), pa.string())
+                    segments = pa.concat_tables([_without(old_segments, keep), segments])
+                    episodes = pa.concat_tables([_without(old_episodes, keep), episodes])
+                segments = segments.sort_by([("episode_id", "ascending"), ("segment", "ascending")])
+                episodes = episodes.sort_by([("episode_id", "ascending")])
+            else:
+                assert old_episodes is not None
+                segments, episodes = old_segments, old_episodes
+            new_manifest = {
+                f.path: {"path": f.path, "table": f.table, "size": f.size, "mtime_ns": f.mtime_ns,
+                         "episode_ids": file_episodes[f.path] if f.path in file_episodes
+                         else manifest[f.path]["episode_ids"]}
+                for f in current
+            }  # fmt: skip
+            if changed or gone or rebuild or old_segments is None:
+                self._save_state(new_manifest, segments, episodes)
+            final_segments, final_episodes = finalize(segments, episodes, self.idle_seconds)
+            return Collection(final_segments, final_episodes, len(changed), len(touched))
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        try:
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise ForgeError(f"cannot create the collector's state folder {self.state_dir}: {error}") from error
+        with open(self.state_dir / "lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # one collector at a time per state folder
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def _load_state(self) -> tuple[dict[str, dict], pa.Table | None, pa.Table | None]:
+        paths = [self.state_dir / name for name in ("manifest.parquet", "segments.parquet", "episodes.parquet")]
+        if not all(p.exists() for p in paths):
+            return {}, None, None
+        manifest = pq.read_table(paths[0])
+        if (manifest.schema.metadata or {}).get(b"openforge.state_version") != STATE_VERSION.encode():
+            return {}, None, None  # written by another version: rebuild
+        segments, episodes = pq.read_table(paths[1]), pq.read_table(paths[2])
+        if segments.schema != SEGMENT_SCHEMA or episodes.schema != EPISODE_SCHEMA:
+            return {}, None, None
+        return {row["path"]: row for row in manifest.to_pylist()}, segments, episodes
+
+    def _save_state(self, manifest: dict[str, dict], segments: pa.Table, episodes: pa.Table) -> None:
+        rows = [manifest[p] for p in sorted(manifest)]
+        _write_atomic(segments, self.state_dir / "segments.parquet")
+        _write_atomic(episodes, self.state_dir / "episodes.parquet")
+        # The manifest last: a crash before it leaves the old manifest, and the next run reads those files again.
+        _write_atomic(pa.Table.from_pylist(rows, schema=MANIFEST_SCHEMA), self.state_dir / "manifest.parquet")
+
+
+def _changed(known: dict | None, file: StoreFile) -> bool:
+    return known is None or known["size"] != file.size or known["mtime_ns"] != file.mtime_ns
+
+
+def _without(table: pa.Table, episode_ids: pa.Array) -> pa.Table:
+    return table.filter(pc.invert(pc.is_in(table["episode_id"], episode_ids)))
+
+
+def _write_atomic(table: pa.Table, target: Path) -> None:
+    staging = target.with_name(f".{target.name}.tmp")
+    pq.write_table(table, staging, compression="zstd")
+    os.replace(staging, target)
+
+
+def collect(
+    store_uri: str, s3_endpoint: str | None = None, state_dir: Path | None = None,
+    idle_seconds: float = DEFAULT_IDLE_SECONDS, rebuild: bool = False, progress: bool | None = None,
+) -> Collection:  # fmt: skip
+    return Collector(store_uri, s3_endpoint, state_dir, idle_seconds, progress).update(rebuild=rebuild)
+
+
+def trainable(segments: pa.Table, statuses: Iterable[str] = ("complete",)) -> pa.Table:
+    return segments.filter(pc.is_in(segments["status"], pa.array(list(statuses), pa.string())))
