@@ -128,7 +128,7 @@ class Collector:
                 read = pq.read_table(file.path, filesystem=self.store.filesystem, columns=columns, filters=filters)
             except (OSError, pa.ArrowInvalid) as error:
                 raise ForgeError(f"cannot read {file.path}: {str(error).splitlines()[0]}") from error
-            return read.cast(_SCHEMAS[table].select_fields(columns))
+            return read.cast(pa.schema([_SCHEMAS[table].field(c) for c in columns]))
 
         with ThreadPoolExecutor(READ_THREADS) as pool:
             return list(
