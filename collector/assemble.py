@@ -33,13 +33,17 @@ SUFFIX, COMPLETION = 0, 1  # where a piece's ids live
 
 
 def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """The concatenation of arange(start, start + length) for every (start, length), without a Python loop."""
-    lengths = lengths.astype(np.int64)
+    """The concatenation of arange(start, start + length) for every (start, length), in one cumulative sum."""
+    keep = lengths > 0
+    starts, lengths = starts[keep].astype(np.int64), lengths[keep].astype(np.int64)
     total = int(lengths.sum())
     if total == 0:
         return np.zeros(0, dtype=np.int64)
-    run_starts = np.cumsum(lengths) - lengths
-    return np.repeat(starts.astype(np.int64) - run_starts, lengths) + np.arange(total, dtype=np.int64)
+    steps = np.ones(total, dtype=np.int64)
+    steps[0] = starts[0]
+    run_starts = np.cumsum(lengths)[:-1]
+    steps[run_starts] = starts[1:] - (starts[:-1] + lengths[:-1]) + 1  # jump from one range's end to the next
+    return np.cumsum(steps, out=steps)
 
 
 def _version_key(version: str) -> tuple[int, int, str]:
@@ -403,14 +407,17 @@ def _segments_table(
     flat = np.array([piece for segment in pieces for piece in segment], dtype=np.int64).reshape(-1, 4)
     source, start, length, mask = flat.T
     global_start = start + (source == COMPLETION) * len(suffix.values)
-    index = _ranges(global_start, length)
     all_ids = np.concatenate([suffix.values, completion.values]).astype(np.int32, copy=False)
-    all_lp = np.concatenate([np.zeros(len(suffix.values), np.float32), aligned_lp])
-    ids = all_ids[index]
-    token_mask = np.repeat(mask, length).astype(np.int8)
-    lps = np.where(token_mask == 1, all_lp[index], np.float32(0)).astype(np.float32)
-    piece_ends = np.cumsum(piece_counts)
+    ids = all_ids[_ranges(global_start, length)]
     lengths_cum = np.concatenate([[0], np.cumsum(length)])
+    # Mask and logprobs are written only where the mask is 1 (the completions, a small share of the tokens).
+    sampled = mask == 1
+    at = _ranges(lengths_cum[:-1][sampled], length[sampled])
+    token_mask = np.zeros(len(ids), np.int8)
+    token_mask[at] = 1
+    lps = np.zeros(len(ids), np.float32)
+    lps[at] = aligned_lp[_ranges(start[sampled], length[sampled])]
+    piece_ends = np.cumsum(piece_counts)
     offsets = lengths_cum[np.concatenate([[0], piece_ends])].astype(np.int32)
     columns = {name: [row[name] for row in rows] for name in SEGMENT_SCHEMA.names if name not in _TOKEN_COLUMNS}
     offsets_array = pa.array(offsets, pa.int32())

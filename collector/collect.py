@@ -173,12 +173,12 @@ class Collector:
 
             if touched or old_segments is None:
                 segments, episodes = assemble(inputs["calls"], inputs["rewards"])
-                if old_segments is not None and old_episodes is not None:
+                if old_segments is not None and old_episodes is not None:  # assemble's output is already sorted
                     keep = pa.array(sorted(touched), pa.string())
                     segments = pa.concat_tables([_without(old_segments, keep), segments])
                     episodes = pa.concat_tables([_without(old_episodes, keep), episodes])
-                segments = segments.sort_by([("episode_id", "ascending"), ("segment", "ascending")])
-                episodes = episodes.sort_by([("episode_id", "ascending")])
+                    segments = segments.sort_by([("episode_id", "ascending"), ("segment", "ascending")])
+                    episodes = episodes.sort_by([("episode_id", "ascending")])
             else:
                 assert old_episodes is not None
                 segments, episodes = old_segments, old_episodes
