@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from sidecar.prefix import PrefixIndex
 from sidecar.record import CALL_SCHEMA, SCHEMA_VERSION, to_table
@@ -89,23 +90,15 @@ def _list_array(lengths: np.ndarray, values: np.ndarray, value_type: pa.DataType
     return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, value_type))
 
 
-def write_bench_store(
-    out: str, calls: int, episodes: int, prompt_tokens: int, files: int = 100, seed: int = 0,
-    compaction_every: int = 25,
-) -> dict[str, float]:  # fmt: skip
-    """Episodes of calls/episodes turns whose prompts average ``prompt_tokens`` tokens.
-
-    The first prompt is half the average; each turn adds a completion and a tool result so that the last prompt
-    is 1.5x the average. Every ``compaction_every``-th call rewrites history (a new segment). Rows are shuffled
-    into ``files`` files across episodes the way many sidecars' files interleave. Returns what was written.
-    """
-    rng = np.random.default_rng(seed)
-    turns = calls // episodes
+def _bench_chunk(
+    rng: np.random.Generator, first_episode: int, episodes: int, turns: int, prompt_tokens: int, compaction_every: int
+) -> tuple[pa.Table, np.ndarray]:
+    """The calls of ``episodes`` episodes (rows episode by episode) and each row's turn."""
     first = prompt_tokens // 2
     step = max((prompt_tokens - first) * 2 // max(turns - 1, 1), 2)  # completion + next suffix, per turn
     completion_len = step // 2
     n = turns * episodes
-    episode_of = np.repeat(np.arange(episodes), turns)
+    episode_of = np.repeat(np.arange(first_episode, first_episode + episodes), turns)
     turn = np.tile(np.arange(turns), episodes)
     compaction = (turn > 0) & (turn % compaction_every == 0)
     # Prompt length and parent reference as the sidecar writes them: a turn's prefix is the whole previous
@@ -141,17 +134,38 @@ def write_bench_store(
             "harness": pa.array(["bench"] * n, pa.string()),
         }
     )
-    missing = [f for f in CALL_SCHEMA if f.name not in table.column_names]
-    for f in missing:
-        table = table.append_column(f, pa.nulls(n, f.type))
-    table = table.select(CALL_SCHEMA.names).cast(CALL_SCHEMA)
-    # Files hold calls of many episodes, in time order, as sidecars flushing by rows would write them.
-    order = np.lexsort((episode_of, turn))
+    for f in CALL_SCHEMA:
+        if f.name not in table.column_names:
+            table = table.append_column(f, pa.nulls(n, f.type))
+    return table.select(CALL_SCHEMA.names).cast(CALL_SCHEMA), turn
+
+
+def write_bench_store(
+    out: str, calls: int, episodes: int, prompt_tokens: int, calls_per_file: int = 1000, seed: int = 0,
+    compaction_every: int = 25, chunk_episodes: int = 2000,
+) -> dict[str, float]:  # fmt: skip
+    """Episodes of calls/episodes turns whose prompts average ``prompt_tokens`` tokens.
+
+    The first prompt is half the average; each turn adds a completion and a tool result, so the last prompt is
+    1.5x the average. Every ``compaction_every``-th call rewrites history (a new segment). Each file holds
+    ``calls_per_file`` calls of many episodes in time order, as sidecars flushing by rows write them. Written
+    ``chunk_episodes`` episodes at a time, so a large store needs little memory. Returns what was written.
+    """
+    rng = np.random.default_rng(seed)
+    turns = calls // episodes
     store = open_store(out)
-    per_file = -(-n // files)
-    for i in range(files):
-        part = table.take(pa.array(order[i * per_file : (i + 1) * per_file]))
-        store.write_parquet(f"calls/run=bench/date=2026-01-05/bench-calls-{i}.parquet", part)
+    n_files = stored = whole = 0
+    for first_episode in range(0, episodes, chunk_episodes):
+        count = min(chunk_episodes, episodes - first_episode)
+        table, turn = _bench_chunk(rng, first_episode, count, turns, prompt_tokens, compaction_every)
+        stored += pc.sum(pc.list_value_length(table["prompt_suffix_ids"])).as_py()
+        stored += pc.sum(pc.list_value_length(table["completion_token_ids"])).as_py()
+        whole += pc.sum(table["prompt_len"]).as_py()
+        order = np.lexsort((np.repeat(np.arange(count), turns), turn))
+        for i in range(0, table.num_rows, calls_per_file):
+            part = table.take(pa.array(order[i : i + calls_per_file]))
+            store.write_parquet(f"calls/run=bench/date=2026-01-05/bench-calls-{n_files}.parquet", part)
+            n_files += 1
     rewards = to_table(
         [{"episode_id": f"e{e:06d}", "reward": float(e % 2), "source": "bench",
           "at": datetime.fromtimestamp(T0_US / 1e6 + 86400, UTC)} for e in range(episodes)],
@@ -159,9 +173,8 @@ def write_bench_store(
     )  # fmt: skip
     store.write_parquet("rewards/run=bench/date=2026-01-05/bench-rewards-0.parquet", rewards)
     return {
-        "calls": n, "episodes": episodes, "mean_prompt_tokens": float(prompt_len.mean()),
-        "stored_ids": float(suffix_values.size + completion_values.size),
-        "whole_prompt_ids": float(prompt_len.sum()),
+        "calls": turns * episodes, "episodes": episodes, "files": n_files,
+        "mean_prompt_tokens": whole / (turns * episodes), "stored_ids": stored, "whole_prompt_ids": whole,
     }  # fmt: skip
 
 
@@ -170,13 +183,13 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=100_000)
     parser.add_argument("--episodes", type=int, default=2_000)
     parser.add_argument("--prompt-tokens", type=int, default=4_000)
-    parser.add_argument("--files", type=int, default=100)
+    parser.add_argument("--calls-per-file", type=int, default=1000)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     if Path(args.out).exists() and any(Path(args.out).iterdir()):
         raise SystemExit(f"{args.out} is not empty")
     start = time.perf_counter()
-    written = write_bench_store(args.out, args.calls, args.episodes, args.prompt_tokens, args.files)
+    written = write_bench_store(args.out, args.calls, args.episodes, args.prompt_tokens, args.calls_per_file)
     print(f"wrote {written} in {time.perf_counter() - start:.1f} s to {args.out}")
 
 

@@ -30,6 +30,7 @@ NO_EPISODE_ID = "(no episode id)"
 MAX_DETAILS = 3  # status_detail names the first few problems of an episode and counts the rest
 
 SUFFIX, COMPLETION = 0, 1  # where a piece's ids live
+_LIST_COLUMNS = ("prompt_suffix_ids", "completion_token_ids", "completion_logprobs")
 
 
 def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -39,7 +40,8 @@ def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     total = int(lengths.sum())
     if total == 0:
         return np.zeros(0, dtype=np.int64)
-    steps = np.ones(total, dtype=np.int64)
+    dtype = np.int32 if total < 2**31 and int((starts + lengths).max()) < 2**31 else np.int64  # half the bytes
+    steps = np.ones(total, dtype=dtype)
     steps[0] = starts[0]
     run_starts = np.cumsum(lengths)[:-1]
     steps[run_starts] = starts[1:] - (starts[:-1] + lengths[:-1]) + 1  # jump from one range's end to the next
@@ -59,12 +61,13 @@ class _Flat:
     lengths: np.ndarray
 
     @classmethod
-    def of(cls, column: pa.ChunkedArray, dtype: type) -> "_Flat":
+    def of(cls, column: pa.ChunkedArray, dtype: type, order: np.ndarray) -> "_Flat":
+        """Row i of the result is row order[i] of the column."""
         array = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
         lengths = pc.fill_null(pc.list_value_length(array), 0).to_numpy().astype(np.int64)
         starts = array.offsets.to_numpy()[:-1].astype(np.int64)
         values = array.values.to_numpy(zero_copy_only=False).astype(dtype, copy=False)
-        return cls(values, starts, lengths)
+        return cls(values, starts[order], lengths[order])
 
 
 @dataclass
@@ -188,21 +191,25 @@ def assemble(calls: pa.Table, rewards: pa.Table | None = None) -> tuple[pa.Table
     calls = calls.set_column(
         calls.schema.get_field_index("episode_id"), "episode_id", pc.fill_null(calls["episode_id"], NO_EPISODE_ID)
     )
-    calls = calls.sort_by([("episode_id", "ascending"), ("seq", "ascending"), ("started_at", "ascending"),
-                           ("call_id", "ascending")])  # fmt: skip
     n = calls.num_rows
-    suffix = _Flat.of(calls["prompt_suffix_ids"], np.int32) if n else _Flat(np.zeros(0, np.int32), *[np.zeros(0)] * 2)
-    completion = _Flat.of(calls["completion_token_ids"], np.int32) if n else suffix
-    logprobs = _Flat.of(calls["completion_logprobs"], np.float32) if n else suffix
-    has_suffix = calls["prompt_suffix_ids"].is_valid().to_numpy(zero_copy_only=False) if n else np.zeros(0, bool)
+    if n == 0:
+        return SEGMENT_SCHEMA.empty_table(), EPISODE_SCHEMA.empty_table()
+    # Sorted by a permutation: the scalar columns are taken in order, the id lists only index through it.
+    keys = [("episode_id", "ascending"), ("seq", "ascending"), ("started_at", "ascending"), ("call_id", "ascending")]
+    order = pc.sort_indices(calls.select([k for k, _ in keys]), sort_keys=keys).to_numpy()
+    suffix = _Flat.of(calls["prompt_suffix_ids"], np.int32, order)
+    completion = _Flat.of(calls["completion_token_ids"], np.int32, order)
+    logprobs = _Flat.of(calls["completion_logprobs"], np.float32, order)
+    has_suffix = calls["prompt_suffix_ids"].is_valid().to_numpy(zero_copy_only=False)[order]
+    calls = calls.drop_columns(list(_LIST_COLUMNS)).take(pa.array(order))
 
     names = ("call_id", "episode_id", "parent_call_id", "status", "error", "policy_version", "task_id", "run_id",
              "harness")  # fmt: skip
     column = {name: calls[name].to_pylist() for name in names}
     call_ids, episode_ids = column["call_id"], column["episode_id"]
     parents, statuses = column["parent_call_id"], column["status"]
-    seqs = pc.fill_null(calls["seq"], -1).to_numpy().tolist() if n else []
-    prefix_lens = pc.fill_null(calls["prefix_len"], 0).to_numpy().tolist() if n else []
+    seqs = pc.fill_null(calls["seq"], -1).to_numpy().tolist()
+    prefix_lens = pc.fill_null(calls["prefix_len"], 0).to_numpy().tolist()
     prompt_lens = calls["prompt_len"].to_pylist()
     started = pc.cast(calls["started_at"], pa.int64()).to_pylist()
     finished = pc.cast(calls["finished_at"], pa.int64()).to_pylist()
@@ -210,7 +217,7 @@ def assemble(calls: pa.Table, rewards: pa.Table | None = None) -> tuple[pa.Table
     # Logprobs aligned with the completion ids; a call whose logprob count differs gets zeros and an error.
     aligned_lp = np.zeros(len(completion.values), dtype=np.float32)
     lp_ok = logprobs.lengths == completion.lengths
-    if n:
+    if lp_ok.any():
         aligned_lp[_ranges(completion.starts[lp_ok], completion.lengths[lp_ok])] = logprobs.values[
             _ranges(logprobs.starts[lp_ok], logprobs.lengths[lp_ok])
         ]

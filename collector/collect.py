@@ -236,7 +236,8 @@ def _without(table: pa.Table, episode_ids: pa.Array) -> pa.Table:
 
 def _write_atomic(table: pa.Table, target: Path) -> None:
     staging = target.with_name(f".{target.name}.tmp")
-    pq.write_table(table, staging, compression="zstd")
+    strings = [f.name for f in table.schema if f.type == pa.string()]
+    pq.write_table(table, staging, compression="zstd", use_dictionary=strings)  # random ids gain nothing from one
     os.replace(staging, target)
 
 

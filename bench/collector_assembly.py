@@ -1,0 +1,139 @@
+"""Collector benchmark: episode assembly over 10k / 100k / 1M calls (50 calls per episode, 4,000-token prompts).
+
+Each size's store is generated once (bench/collector_generate.py) into a cache folder and reused. Each
+measurement runs in its own process pinned to two cores, so its peak memory is its own:
+  full        `collect --rebuild`: list, read every file, assemble, write the state (what the goal counts)
+  read/assemble  the two main parts of it, timed separately
+  no-op       a second run with nothing new (reads the state back)
+  one file    a run after one new file of one new episode landed (that file read, one episode rebuilt)
+
+    .venv/bin/python bench/collector_assembly.py                   # 10k and 100k
+    .venv/bin/python bench/collector_assembly.py --sizes 10000,100000,1000000 --timeout 600
+"""
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+CALLS_PER_EPISODE = 50
+CORES = "0,1"
+
+
+def cache_root() -> Path:
+    from forge.paths import cache_dir
+
+    return cache_dir() / "bench"
+
+
+def ensure_store(calls: int, prompt_tokens: int) -> Path:
+    from bench.collector_generate import write_bench_store
+
+    store = cache_root() / f"collector-{calls}-{prompt_tokens}"
+    if not (store / ".complete").exists():
+        shutil.rmtree(store, ignore_errors=True)
+        start = time.perf_counter()
+        written = write_bench_store(str(store), calls, calls // CALLS_PER_EPISODE, prompt_tokens)
+        (store / ".complete").write_text(json.dumps(written))
+        print(f"  generated {store} in {time.perf_counter() - start:.1f} s: {written}", flush=True)
+    return store
+
+
+def measure(store: Path) -> dict[str, float]:
+    """Runs in the child process."""
+    import pyarrow as pa
+
+    from bench.collector_generate import SyntheticEpisode, write_calls
+    from collector.assemble import assemble
+    from collector.collect import Collector
+
+    figures: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as state:
+        collector = Collector(str(store), state_dir=Path(state), progress=False)
+        start = time.perf_counter()
+        collection = collector.update(rebuild=True)
+        figures["full_s"] = time.perf_counter() - start
+        figures["segments"] = collection.segments.num_rows
+        figures["episodes"] = collection.episodes.num_rows
+        figures["tokens"] = float(sum(collection.episodes["n_tokens"].to_pylist()))
+        figures["peak_rss_full_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        del collection
+
+        start = time.perf_counter()
+        files = collector.list_files()
+        calls = pa.concat_tables(collector.read([f for f in files if f.table == "calls"], "calls"))
+        rewards = pa.concat_tables(collector.read([f for f in files if f.table == "rewards"], "rewards"))
+        figures["read_s"] = time.perf_counter() - start
+        start = time.perf_counter()
+        assemble(calls, rewards)
+        figures["assemble_s"] = time.perf_counter() - start
+        del calls, rewards
+
+        start = time.perf_counter()
+        collector.update()
+        figures["noop_s"] = time.perf_counter() - start
+
+        episode = SyntheticEpisode("bench-extra", run_id="bench")
+        prompt = list(range(4000))
+        for turn in range(CALLS_PER_EPISODE):
+            completion = list(range(50_000 + 40 * turn, 50_040 + 40 * turn))
+            episode.call(prompt, completion)
+            prompt = prompt + completion + list(range(60_000 + 40 * turn, 60_040 + 40 * turn))
+        extra = write_calls(str(store), episode.rows, name="zz-bench-extra-calls-0", run="bench")
+        try:
+            start = time.perf_counter()
+            result = collector.update()
+            figures["one_file_s"] = time.perf_counter() - start
+            figures["one_file_read"] = result.files_read
+            figures["one_file_rebuilt"] = result.episodes_rebuilt
+        finally:
+            os.unlink(extra)
+    figures["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return figures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", default="10000,100000", help="Numbers of calls, comma-separated.")
+    parser.add_argument("--prompt-tokens", type=int, default=4000)
+    parser.add_argument("--timeout", type=float, default=300.0, help="Seconds per size; a size past it is cut.")
+    parser.add_argument("--measure", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.measure:
+        print(json.dumps(measure(Path(args.measure))))
+        return
+    print(f"collector assembly, {CALLS_PER_EPISODE} calls per episode, prompts averaging {args.prompt_tokens} "
+          f"tokens, pinned to cores {CORES}")  # fmt: skip
+    header = f"{'calls':>9} {'episodes':>8} {'tokens out':>11} {'full s':>7} {'read s':>7} {'assemble s':>10} " \
+             f"{'no-op s':>7} {'1 file s':>8} {'peak MB':>8}"  # fmt: skip
+    rows = []
+    for size in (int(s) for s in args.sizes.split(",")):
+        store = ensure_store(size, args.prompt_tokens)
+        command = ["taskset", "-c", CORES, sys.executable, __file__, "--measure", str(store)]
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, check=True)
+        except subprocess.TimeoutExpired:
+            rows.append(f"{size:>9} cut after {args.timeout:.0f} s")
+            continue
+        except subprocess.CalledProcessError as error:
+            rows.append(f"{size:>9} failed: {error.stderr.strip().splitlines()[-1:]}")
+            continue
+        f = json.loads(done.stdout.strip().splitlines()[-1])
+        rows.append(
+            f"{size:>9} {f['episodes']:>8.0f} {f['tokens']:>11,.0f} {f['full_s']:>7.2f} {f['read_s']:>7.2f} "
+            f"{f['assemble_s']:>10.2f} {f['noop_s']:>7.2f} {f['one_file_s']:>8.2f} {f['peak_rss_mb']:>8.0f}"
+        )
+        print(f"  {size}: {json.dumps(f)}", flush=True)
+    print(header)
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    main()
