@@ -108,7 +108,8 @@ def _bench_chunk(
     prefix_len = np.where(turn == 0, 0, np.where(compaction, first // 2, prompt_len - (step - completion_len)))
     suffix_len = prompt_len - prefix_len
     call_ids = np.array([f"e{e:06d}-c{t:04d}" for e, t in zip(episode_of, turn, strict=True)], dtype=object)
-    parents = np.where(turn == 0, None, np.roll(call_ids, 1))
+    parents = np.roll(call_ids, 1)
+    parents[turn == 0] = None
     suffix_values = rng.integers(0, 49152, int(suffix_len.sum()), dtype=np.int32)
     completion_values = rng.integers(0, 49152, int(completion_lens.sum()), dtype=np.int32)
     logprob_values = -rng.random(int(completion_lens.sum()), dtype=np.float32)

@@ -146,21 +146,23 @@ def parse_since(since: str) -> datetime:
 def episode_filter(
     table: pa.Table, run: str | None, task: str | None, statuses: tuple[str, ...], since: str | None
 ) -> pa.Table:
-    mask = pc.scalar(True)
+    """The rows (episodes or segments) of one run / task / statuses / finished since."""
+    masks = []
     if run:
-        mask = pc.and_(mask, pc.equal(table["run_id"], run))
+        masks.append(pc.equal(table["run_id"], run))
     if task:
-        mask = pc.and_(mask, pc.equal(table["task_id"], task))
+        masks.append(pc.equal(table["task_id"], task))
     if statuses:
-        mask = pc.and_(mask, pc.is_in(table["status"], pa.array(list(statuses), pa.string())))
+        masks.append(pc.is_in(table["status"], pa.array(list(statuses), pa.string())))
     if since:
-        mask = pc.and_(
-            mask,
-            pc.greater_equal(
-                table["finished_at"], pa.scalar(parse_since(since), table.schema.field("finished_at").type)
-            ),
-        )
-    return table.filter(pc.fill_null(mask, False)) if (run or task or statuses or since) else table
+        moment = pa.scalar(parse_since(since), table.schema.field("finished_at").type)
+        masks.append(pc.greater_equal(table["finished_at"], moment))
+    if not masks:
+        return table
+    mask = masks[0]
+    for more in masks[1:]:
+        mask = pc.and_(mask, more)
+    return table.filter(pc.fill_null(mask, False))
 
 
 FILTERS = [
