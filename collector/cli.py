@@ -74,7 +74,7 @@ def run_query(con: duckdb.DuckDBPyConnection, query: str) -> tuple[list[str], li
         table = con.execute(query).arrow().read_all()  # Arrow, not fetchall: timestamps need no pytz
     except duckdb.Error as error:
         raise ForgeError(f"SQL error: {str(error).splitlines()[0]}") from error
-    return table.column_names, [tuple(row.values()) for row in table.to_pylist()]
+    return table.column_names, [tuple(row.values()) for row in table.to_pylist(maps_as_pydicts="lossy")]
 
 
 @click.command("sql")

@@ -37,7 +37,7 @@ PLOTTED = [
 
 def fidelity(con: duckdb.DuckDBPyConnection) -> tuple[list[str], list[tuple]]:
     table = con.execute(REPORT_SQL).arrow().read_all()
-    return table.column_names, [tuple(row.values()) for row in table.to_pylist()]
+    return table.column_names, [tuple(row.values()) for row in table.to_pylist(maps_as_pydicts="lossy")]
 
 
 def plot(columns: list[str], rows: list[tuple], path: Path) -> None:

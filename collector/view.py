@@ -54,7 +54,7 @@ def tokenizer_decoder() -> Decoder | None:
 
 
 def _rows(con: duckdb.DuckDBPyConnection, query: str, params: list[Any]) -> list[dict[str, Any]]:
-    return con.execute(query, params).arrow().read_all().to_pylist()
+    return con.execute(query, params).arrow().read_all().to_pylist(maps_as_pydicts="lossy")
 
 
 def render_episode(con: duckdb.DuckDBPyConnection, episode_id: str, decode: Decoder | None) -> str:

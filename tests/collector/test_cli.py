@@ -7,6 +7,7 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
+from bench.collector_generate import write_rewards
 from collector.episode import SEGMENT_SCHEMA
 from forge.cli import cli
 
@@ -50,6 +51,10 @@ def test_sql_has_the_episode_views_and_an_interactive_shell(synthetic_store):
     assert result.exit_code == 0
     assert "n\n-\n4" in result.output.replace(" ", "")  # the multi-line statement ran
     assert "forge: SQL error" in result.output and "answer" in result.output  # an error does not end the shell
+    write_rewards(synthetic_store.uri, [{"episode_id": "pending", "reward": 0.5, "components": {"tests": 1.0}}],
+                  name="more-rewards")  # fmt: skip
+    rewards = as_json("sql", *store, "SELECT components, reward FROM rewards WHERE episode_id = 'pending'")
+    assert rewards == [{"components": {"tests": 1.0}, "reward": 0.5}]  # a map is a JSON object
     error = forge("sql", *store, "SELECT * FROM nowhere")
     assert error.exit_code == 2 and error.output.startswith("forge: SQL error")
 
