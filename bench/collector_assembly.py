@@ -50,7 +50,6 @@ def measure(store: Path) -> dict[str, float]:
     import pyarrow as pa
 
     from bench.collector_generate import SyntheticEpisode, write_calls
-    from collector.assemble import assemble
     from collector.collect import Collector
 
     figures: dict[str, float] = {}
@@ -71,7 +70,7 @@ def measure(store: Path) -> dict[str, float]:
         rewards = pa.concat_tables(collector.read([f for f in files if f.table == "rewards"], "rewards"))
         figures["read_s"] = time.perf_counter() - start
         start = time.perf_counter()
-        assemble(calls, rewards)
+        collector.assemble(calls, rewards)  # in batches of episodes, as update() does
         figures["assemble_s"] = time.perf_counter() - start
         del calls, rewards
 
@@ -98,11 +97,40 @@ def measure(store: Path) -> dict[str, float]:
     return figures
 
 
+def rss_kb(pid: int) -> int:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0
+    return next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), 0)
+
+
+def run_bounded(command: list[str], timeout: float, max_rss_gb: float) -> tuple[str | None, str, int]:
+    """Run the measuring child; stop it past the time or memory bound (the machine is shared)."""
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline, peak, status = time.monotonic() + timeout, 0, None
+    while child.poll() is None:
+        peak = max(peak, rss_kb(child.pid))
+        if peak > max_rss_gb * 1024 * 1024:
+            status = f"stopped past {max_rss_gb:g} GB RSS"
+        elif time.monotonic() > deadline:
+            status = f"stopped after {timeout:.0f} s"
+        if status:
+            child.kill()
+            break
+        time.sleep(0.2)
+    stdout, stderr = child.communicate()
+    if status is None and child.returncode:
+        status = f"failed: {(stderr.strip().splitlines() or ['?'])[-1]}"
+    return status, stdout, peak
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="10000,100000", help="Numbers of calls, comma-separated.")
     parser.add_argument("--prompt-tokens", type=int, default=4000)
     parser.add_argument("--timeout", type=float, default=300.0, help="Seconds per size; a size past it is cut.")
+    parser.add_argument("--max-rss-gb", type=float, default=6.0, help="Stop a size whose process grows past this.")
     parser.add_argument("--measure", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.measure:
@@ -116,15 +144,12 @@ def main() -> None:
     for size in (int(s) for s in args.sizes.split(",")):
         store = ensure_store(size, args.prompt_tokens)
         command = ["taskset", "-c", CORES, sys.executable, __file__, "--measure", str(store)]
-        try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, check=True)
-        except subprocess.TimeoutExpired:
-            rows.append(f"{size:>9} cut after {args.timeout:.0f} s")
+        status, stdout, peak = run_bounded(command, args.timeout, args.max_rss_gb)
+        if status:
+            rows.append(f"{size:>9} {status} (peak RSS seen {peak / 1024:.0f} MB)")
+            print(f"  {size}: {status}", flush=True)
             continue
-        except subprocess.CalledProcessError as error:
-            rows.append(f"{size:>9} failed: {error.stderr.strip().splitlines()[-1:]}")
-            continue
-        f = json.loads(done.stdout.strip().splitlines()[-1])
+        f = json.loads(stdout.strip().splitlines()[-1])
         rows.append(
             f"{size:>9} {f['episodes']:>8.0f} {f['tokens']:>11,.0f} {f['full_s']:>7.2f} {f['read_s']:>7.2f} "
             f"{f['assemble_s']:>10.2f} {f['noop_s']:>7.2f} {f['one_file_s']:>8.2f} {f['peak_rss_mb']:>8.0f}"

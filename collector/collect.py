@@ -11,6 +11,7 @@ skipped, so running beside writing sidecars is safe: a file that lands during a 
 
 import fcntl
 import hashlib
+import itertools
 import os
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.fs as pafs
@@ -35,6 +37,7 @@ from sidecar.store import Store, StoreError, open_store
 STATE_VERSION = "1"  # bump when the state's files change meaning: an old state is then rebuilt
 DEFAULT_IDLE_SECONDS = 600.0
 READ_THREADS = 4
+ASSEMBLY_BATCH_CALLS = 50_000
 
 MANIFEST_SCHEMA = pa.schema(
     [
@@ -172,7 +175,7 @@ class Collector:
                 inputs[table] = pa.concat_tables([empty, *new_rows[table], *extra])
 
             if touched or old_segments is None:
-                segments, episodes = assemble(inputs["calls"], inputs["rewards"])
+                segments, episodes = self.assemble(inputs["calls"], inputs["rewards"])
                 if old_segments is not None and old_episodes is not None:  # assemble's output is already sorted
                     keep = pa.array(sorted(touched), pa.string())
                     segments = pa.concat_tables([_without(old_segments, keep), segments])
@@ -192,6 +195,25 @@ class Collector:
                 self._save_state(new_manifest, segments, episodes)
             final_segments, final_episodes = finalize(segments, episodes, self.idle_seconds)
             return Collection(final_segments, final_episodes, len(changed), len(touched))
+
+    def assemble(self, calls: pa.Table, rewards: pa.Table) -> tuple[pa.Table, pa.Table]:
+        """Assemble a few thousand episodes at a time: memory grows with the output, not with the work arrays."""
+        if calls.num_rows <= ASSEMBLY_BATCH_CALLS:
+            return assemble(calls, rewards)
+        episode_ids = pc.fill_null(calls["episode_id"], NO_EPISODE_ID)
+        order = pc.sort_indices(episode_ids).to_numpy()
+        sorted_ids = episode_ids.take(pa.array(order)).to_numpy(zero_copy_only=False)
+        starts = np.flatnonzero(np.concatenate([[True], sorted_ids[1:] != sorted_ids[:-1]]))  # each episode's first
+        cuts = [0]
+        for start in starts:
+            if start - cuts[-1] >= ASSEMBLY_BATCH_CALLS:
+                cuts.append(int(start))
+        cuts.append(len(order))
+        parts = []
+        for lo, hi in tqdm(list(itertools.pairwise(cuts)), desc="assembling", unit="batch",
+                           disable=self._no_bar(len(cuts) - 1), leave=False):  # fmt: skip
+            parts.append(assemble(calls.take(pa.array(order[lo:hi])), rewards))
+        return pa.concat_tables([s for s, _ in parts]), pa.concat_tables([e for _, e in parts])
 
     @contextmanager
     def _locked(self) -> Iterator[None]:

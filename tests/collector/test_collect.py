@@ -131,3 +131,11 @@ def test_an_old_state_is_rebuilt_not_trusted(tmp_path, synthetic_store):
     again = collect(synthetic_store.uri, state_dir=state, idle_seconds=0)
     assert again.files_read == 5
     assert_same(first, again)
+
+
+def test_assembly_in_batches_of_episodes_equals_one_batch(tmp_path, synthetic_store, monkeypatch):
+    whole = full_rebuild(synthetic_store.uri, tmp_path, "whole")
+    monkeypatch.setattr(collect_module, "ASSEMBLY_BATCH_CALLS", 3)  # episodes of 2 to 4 calls: 3 batches
+    batched = full_rebuild(synthetic_store.uri, tmp_path, "batched")
+    assert_same(batched, whole)
+    assert batched.segments["input_ids"].num_chunks == 3
