@@ -11,6 +11,7 @@ Tokens are touched once, at the end: every segment is a list of pieces (ranges o
 completion ids with their mask), gathered for all segments at once with numpy.
 """
 
+import gc
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -187,6 +188,18 @@ def assemble(calls: pa.Table, rewards: pa.Table | None = None) -> tuple[pa.Table
     Statuses are complete / error / no_reward here; ``finalize`` turns recent no_reward episodes into
     unfinished ones (that depends on the whole store, so it runs after an incremental update too).
     """
+    # Assembly makes many small objects and no reference cycles: the cyclic GC would rescan them again and again
+    # (40% of the time at 100k calls).
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _assemble(calls, rewards)
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _assemble(calls: pa.Table, rewards: pa.Table | None) -> tuple[pa.Table, pa.Table]:
     calls = calls.select(CALL_COLUMNS)
     calls = calls.set_column(
         calls.schema.get_field_index("episode_id"), "episode_id", pc.fill_null(calls["episode_id"], NO_EPISODE_ID)

@@ -38,6 +38,7 @@ STATE_VERSION = "1"  # bump when the state's files change meaning: an old state 
 DEFAULT_IDLE_SECONDS = 600.0
 READ_THREADS = 4
 ASSEMBLY_BATCH_CALLS = 50_000
+STATE_ROW_GROUP = 1000  # segments per row group: the writer buffers one group, not the whole state
 
 MANIFEST_SCHEMA = pa.schema(
     [
@@ -258,8 +259,8 @@ def _without(table: pa.Table, episode_ids: pa.Array) -> pa.Table:
 
 def _write_atomic(table: pa.Table, target: Path) -> None:
     staging = target.with_name(f".{target.name}.tmp")
-    strings = [f.name for f in table.schema if f.type == pa.string()]
-    pq.write_table(table, staging, compression="zstd", use_dictionary=strings)  # random ids gain nothing from one
+    strings = [f.name for f in table.schema if f.type == pa.string()]  # token ids gain nothing from a dictionary
+    pq.write_table(table, staging, compression="zstd", use_dictionary=strings, row_group_size=STATE_ROW_GROUP)
     os.replace(staging, target)
 
 
