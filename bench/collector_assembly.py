@@ -45,8 +45,8 @@ def ensure_store(calls: int, prompt_tokens: int) -> Path:
     return store
 
 
-def measure(store: Path) -> dict[str, float]:
-    """Runs in the child process."""
+def measure(store: Path, phase: str) -> dict[str, float]:
+    """Runs in a child process: phase "full" (full, no-op and one-file runs) or "parts" (read, assemble)."""
     import pyarrow as pa
 
     from bench.collector_generate import SyntheticEpisode, write_calls
@@ -55,29 +55,27 @@ def measure(store: Path) -> dict[str, float]:
     figures: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as state:
         collector = Collector(str(store), state_dir=Path(state), progress=False)
+        if phase == "parts":
+            start = time.perf_counter()
+            files = collector.list_files()
+            calls = pa.concat_tables(collector.read([f for f in files if f.table == "calls"], "calls"))
+            rewards = pa.concat_tables(collector.read([f for f in files if f.table == "rewards"], "rewards"))
+            figures["read_s"] = time.perf_counter() - start
+            start = time.perf_counter()
+            collector.assemble(calls, rewards)  # in batches of episodes, as update() does
+            figures["assemble_s"] = time.perf_counter() - start
+            figures["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+            return figures
         start = time.perf_counter()
         collection = collector.update(rebuild=True)
         figures["full_s"] = time.perf_counter() - start
         figures["segments"] = collection.segments.num_rows
         figures["episodes"] = collection.episodes.num_rows
         figures["tokens"] = float(sum(collection.episodes["n_tokens"].to_pylist()))
-        figures["peak_rss_full_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         del collection
-
-        start = time.perf_counter()
-        files = collector.list_files()
-        calls = pa.concat_tables(collector.read([f for f in files if f.table == "calls"], "calls"))
-        rewards = pa.concat_tables(collector.read([f for f in files if f.table == "rewards"], "rewards"))
-        figures["read_s"] = time.perf_counter() - start
-        start = time.perf_counter()
-        collector.assemble(calls, rewards)  # in batches of episodes, as update() does
-        figures["assemble_s"] = time.perf_counter() - start
-        del calls, rewards
-
         start = time.perf_counter()
         collector.update()
         figures["noop_s"] = time.perf_counter() - start
-
         episode = SyntheticEpisode("bench-extra", run_id="bench")
         prompt = list(range(4000))
         for turn in range(CALLS_PER_EPISODE):
@@ -132,29 +130,36 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=300.0, help="Seconds per size; a size past it is cut.")
     parser.add_argument("--max-rss-gb", type=float, default=6.0, help="Stop a size whose process grows past this.")
     parser.add_argument("--measure", help=argparse.SUPPRESS)
+    parser.add_argument("--phase", default="full", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.measure:
-        print(json.dumps(measure(Path(args.measure))))
+        print(json.dumps(measure(Path(args.measure), args.phase)))
         return
     print(f"collector assembly, {CALLS_PER_EPISODE} calls per episode, prompts averaging {args.prompt_tokens} "
           f"tokens, pinned to cores {CORES}")  # fmt: skip
-    header = f"{'calls':>9} {'episodes':>8} {'tokens out':>11} {'full s':>7} {'read s':>7} {'assemble s':>10} " \
-             f"{'no-op s':>7} {'1 file s':>8} {'peak MB':>8}"  # fmt: skip
+    header = f"{'calls':>9} {'episodes':>8} {'tokens out':>11} {'full s':>7} {'no-op s':>7} {'1 file s':>8} " \
+             f"{'peak MB':>8} | {'read s':>7} {'assemble s':>10} {'peak MB':>8}"  # fmt: skip
     rows = []
     for size in (int(s) for s in args.sizes.split(",")):
         store = ensure_store(size, args.prompt_tokens)
-        command = ["taskset", "-c", CORES, sys.executable, __file__, "--measure", str(store)]
-        status, stdout, peak = run_bounded(command, args.timeout, args.max_rss_gb)
-        if status:
-            rows.append(f"{size:>9} {status} (peak RSS seen {peak / 1024:.0f} MB)")
-            print(f"  {size}: {status}", flush=True)
-            continue
-        f = json.loads(stdout.strip().splitlines()[-1])
-        rows.append(
-            f"{size:>9} {f['episodes']:>8.0f} {f['tokens']:>11,.0f} {f['full_s']:>7.2f} {f['read_s']:>7.2f} "
-            f"{f['assemble_s']:>10.2f} {f['noop_s']:>7.2f} {f['one_file_s']:>8.2f} {f['peak_rss_mb']:>8.0f}"
-        )
-        print(f"  {size}: {json.dumps(f)}", flush=True)
+        results = {}
+        for phase in ("full", "parts"):
+            command = ["taskset", "-c", CORES, sys.executable, __file__, "--measure", str(store), "--phase", phase]
+            status, stdout, peak = run_bounded(command, args.timeout, args.max_rss_gb)
+            if status:
+                results[phase] = f"{phase}: {status} (peak RSS seen {peak / 1024:.0f} MB)"
+                print(f"  {size} {results[phase]}", flush=True)
+            else:
+                results[phase] = json.loads(stdout.strip().splitlines()[-1])
+                print(f"  {size} {phase}: {json.dumps(results[phase])}", flush=True)
+        full, parts = results["full"], results["parts"]
+        left = full
+        if isinstance(full, dict):
+            left = (f"{full['episodes']:>8.0f} {full['tokens']:>11,.0f} {full['full_s']:>7.2f} "
+                    f"{full['noop_s']:>7.2f} {full['one_file_s']:>8.2f} {full['peak_rss_mb']:>8.0f}")  # fmt: skip
+        right = (f"{parts['read_s']:>7.2f} {parts['assemble_s']:>10.2f} {parts['peak_rss_mb']:>8.0f}"
+                 if isinstance(parts, dict) else parts)  # fmt: skip
+        rows.append(f"{size:>9} {left} | {right}")
     print(header)
     print("\n".join(rows))
 

@@ -186,6 +186,7 @@ class Collector:
             else:
                 assert old_episodes is not None
                 segments, episodes = old_segments, old_episodes
+            del new_rows, inputs  # the calls read are done with: free them before the state is written
             new_manifest = {
                 f.path: {"path": f.path, "table": f.table, "size": f.size, "mtime_ns": f.mtime_ns,
                          "episode_ids": file_episodes[f.path] if f.path in file_episodes
@@ -201,6 +202,7 @@ class Collector:
         """Assemble a few thousand episodes at a time: memory grows with the output, not with the work arrays."""
         if calls.num_rows <= ASSEMBLY_BATCH_CALLS:
             return assemble(calls, rewards)
+        calls = calls.combine_chunks()  # one copy: a take from many chunks would concatenate them for every batch
         episode_ids = pc.fill_null(calls["episode_id"], NO_EPISODE_ID)
         order = pc.sort_indices(episode_ids).to_numpy()
         sorted_ids = episode_ids.take(pa.array(order)).to_numpy(zero_copy_only=False)
