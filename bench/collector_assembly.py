@@ -72,10 +72,13 @@ def measure(store: Path, phase: str) -> dict[str, float]:
         figures["segments"] = collection.segments.num_rows
         figures["episodes"] = collection.episodes.num_rows
         figures["tokens"] = float(sum(collection.episodes["n_tokens"].to_pylist()))
+        figures["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        print(json.dumps(figures), flush=True)  # the parent keeps the last line if a later step is stopped
         del collection
         start = time.perf_counter()
         collector.update()
         figures["noop_s"] = time.perf_counter() - start
+        print(json.dumps(figures), flush=True)
         episode = SyntheticEpisode("bench-extra", run_id="bench")
         prompt = list(range(4000))
         for turn in range(CALLS_PER_EPISODE):
@@ -142,18 +145,22 @@ def main() -> None:
     rows = []
     for size in (int(s) for s in args.sizes.split(",")):
         store = ensure_store(size, args.prompt_tokens)
-        results = {}
+        results: dict[str, dict | str] = {}
         for phase in ("full", "parts"):
             command = ["taskset", "-c", CORES, sys.executable, __file__, "--measure", str(store), "--phase", phase]
             status, stdout, peak = run_bounded(command, args.timeout, args.max_rss_gb)
-            if status:
+            lines = stdout.strip().splitlines()
+            if status and lines:  # stopped in a later step: keep the figures it printed before
+                results[phase] = {"noop_s": float("nan"), "one_file_s": float("nan"), **json.loads(lines[-1])}
+                print(f"  {size} {phase}: {status}; before that: {lines[-1]}", flush=True)
+            elif status:
                 results[phase] = f"{phase}: {status} (peak RSS seen {peak / 1024:.0f} MB)"
                 print(f"  {size} {results[phase]}", flush=True)
             else:
                 results[phase] = json.loads(stdout.strip().splitlines()[-1])
                 print(f"  {size} {phase}: {json.dumps(results[phase])}", flush=True)
         full, parts = results["full"], results["parts"]
-        left = full
+        left: str = full if isinstance(full, str) else ""
         if isinstance(full, dict):
             left = (f"{full['episodes']:>8.0f} {full['tokens']:>11,.0f} {full['full_s']:>7.2f} "
                     f"{full['noop_s']:>7.2f} {full['one_file_s']:>8.2f} {full['peak_rss_mb']:>8.0f}")  # fmt: skip
