@@ -24,6 +24,7 @@ from pathlib import Path
 
 CALLS_PER_EPISODE = 50
 CORES = "0,1"
+EXTRA_FILE = "zz-bench-extra-calls-0"  # the one-file step's file, removed after it (and before, if a run was killed)
 
 
 def cache_root() -> Path:
@@ -53,6 +54,8 @@ def measure(store: Path, phase: str) -> dict[str, float]:
     from collector.collect import Collector
 
     figures: dict[str, float] = {}
+    for stale in store.rglob(f"{EXTRA_FILE}.parquet"):
+        stale.unlink()
     with tempfile.TemporaryDirectory() as state:
         collector = Collector(str(store), state_dir=Path(state), progress=False)
         if phase == "parts":
@@ -85,7 +88,7 @@ def measure(store: Path, phase: str) -> dict[str, float]:
             completion = list(range(50_000 + 40 * turn, 50_040 + 40 * turn))
             episode.call(prompt, completion)
             prompt = prompt + completion + list(range(60_000 + 40 * turn, 60_040 + 40 * turn))
-        extra = write_calls(str(store), episode.rows, name="zz-bench-extra-calls-0", run="bench")
+        extra = write_calls(str(store), episode.rows, name=EXTRA_FILE, run="bench")
         try:
             start = time.perf_counter()
             result = collector.update()
