@@ -227,12 +227,14 @@ def _assemble(calls: pa.Table, rewards: pa.Table | None) -> tuple[pa.Table, pa.T
     started = pc.cast(calls["started_at"], pa.int64()).to_pylist()
     finished = pc.cast(calls["finished_at"], pa.int64()).to_pylist()
 
-    # Logprobs aligned with the completion ids; a call whose logprob count differs gets zeros and an error.
-    aligned_lp = np.zeros(len(completion.values), dtype=np.float32)
-    lp_ok = logprobs.lengths == completion.lengths
-    if lp_ok.any():
-        aligned_lp[_ranges(completion.starts[lp_ok], completion.lengths[lp_ok])] = logprobs.values[
-            _ranges(logprobs.starts[lp_ok], logprobs.lengths[lp_ok])
+    # Logprobs aligned with the completion ids. A call the upstream gave no logprobs for (the record's note says
+    # so) gets NaN: unknown, not wrong. A call whose logprob count differs otherwise gets NaN and an error.
+    aligned_lp = np.full(len(completion.values), np.nan, dtype=np.float32)
+    lp_given = logprobs.lengths == completion.lengths
+    lp_ok = lp_given | (logprobs.lengths == 0)
+    if lp_given.any():
+        aligned_lp[_ranges(completion.starts[lp_given], completion.lengths[lp_given])] = logprobs.values[
+            _ranges(logprobs.starts[lp_given], logprobs.lengths[lp_given])
         ]
 
     reward_of, call_reward_of = _rewards(rewards)

@@ -4,7 +4,8 @@ An episode is the calls one rollout made, in order. Its calls are merged into se
 which each call's prompt is the previous call's prompt + completion + a new suffix. ``input_ids`` holds the
 segment's tokens; ``loss_mask`` is 1 exactly on tokens the policy sampled in this segment's calls (their
 completions) and 0 on context (prompts, and sampled tokens of earlier calls that a fork repeats);
-``behaviour_logprobs`` are the sampled tokens' logprobs, 0 where the mask is 0. A call that does not extend the
+``behaviour_logprobs`` are the sampled tokens' logprobs, 0 where the mask is 0 (NaN on sampled tokens whose
+logprobs the upstream did not give). A call that does not extend the
 segment it follows starts a new one (``fork_reason`` says why); every sampled token is trainable in exactly one
 segment.
 

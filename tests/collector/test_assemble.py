@@ -4,6 +4,8 @@ Prompts are split against earlier calls with the sidecar's own PrefixIndex (pare
 each case checks segments, masks, logprobs and statuses exactly.
 """
 
+import math
+
 import pyarrow as pa
 import pytest
 
@@ -225,3 +227,20 @@ def test_a_call_whose_parent_is_not_in_the_store_is_an_error_not_a_guess():
     assert len(segments) == 1 and segments[0]["n_calls"] == 1
     assert episodes["ep"]["status"] == "error"
     assert f"its parent call {episode.rows[0]['call_id'][:-1]}1 is not in the store" in episodes["ep"]["status_detail"]
+
+
+def test_a_call_without_logprobs_keeps_its_ids_trainable_with_unknown_logprobs():
+    episode = SyntheticEpisode("ep")
+    history = linear(episode, 1)
+    prompt = [t for p, _ in history for t in p] + ids(600, 3)
+    episode.call(prompt, ids(9000, 4), logprobs=[])  # an upstream that gives ids but no logprobs
+    episode.call(prompt + ids(9000, 4) + ids(700, 2), ids(9100, 3), logprobs=[-0.5, -0.25])  # one missing: wrong
+    segments, episodes = run(episode)
+    (segment,) = segments
+    start = len(prompt)
+    assert segment["loss_mask"][start : start + 4] == [1, 1, 1, 1]
+    assert all(math.isnan(lp) for lp in segment["behaviour_logprobs"][start : start + 4])
+    assert segment["behaviour_logprobs"][: len(history[0][0])] == [0.0] * len(history[0][0])
+    assert episodes["ep"]["status"] == "error"
+    assert f"{episode.rows[2]['call_id']} (seq 2): completion_logprobs do not match" in episodes["ep"]["status_detail"]
+    assert episode.rows[1]["call_id"] not in episodes["ep"]["status_detail"]
