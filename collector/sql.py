@@ -1,4 +1,7 @@
-"""DuckDB over the store: the views ``calls`` (whole prompts rebuilt) and ``rewards``, for `forge sql`.
+"""DuckDB over the store: the views ``calls`` (whole prompts rebuilt), ``rewards``, ``episodes``, ``segments``.
+
+``episodes`` and ``segments`` come from the collector's incremental state (``collector.collect``): asked for,
+the store's new files are read and the episodes they touch rebuilt first.
 
 Never ``INSTALL``: extension auto-install and auto-load are off; for S3 the httpfs extension is loaded from the
 file the PyPI package ``duckdb-extension-httpfs`` ships. The collector reads the sidecar's record schema
@@ -6,12 +9,14 @@ file the PyPI package ``duckdb-extension-httpfs`` ships. The collector reads the
 """
 
 import os
+import re
 from pathlib import Path
 from urllib.parse import urlparse
 
 import duckdb
 import pyarrow as pa
 
+from collector.collect import DEFAULT_IDLE_SECONDS, collect
 from forge.errors import ForgeError
 from sidecar.record import TABLES
 from sidecar.store import s3_endpoint_url
@@ -46,8 +51,11 @@ def httpfs_extension() -> Path:
     return found[-1]
 
 
-def connect(store: str, s3_endpoint: str | None = None) -> duckdb.DuckDBPyConnection:
-    """A DuckDB connection with the store's views."""
+def connect(
+    store: str, s3_endpoint: str | None = None, episodes: bool = False, state_dir: Path | None = None,
+    idle_seconds: float | None = None,
+) -> duckdb.DuckDBPyConnection:  # fmt: skip
+    """A DuckDB connection with the store's views; with ``episodes``, also ``episodes`` and ``segments``."""
     con = duckdb.connect(config={"autoinstall_known_extensions": False, "autoload_known_extensions": False})
     parsed = urlparse(store)
     if parsed.scheme == "s3":
@@ -79,4 +87,15 @@ def connect(store: str, s3_endpoint: str | None = None) -> duckdb.DuckDBPyConnec
         name = "calls_raw" if table == "calls" else table
         con.execute(f"CREATE OR REPLACE VIEW {name} AS SELECT * FROM {source}")
     con.execute(CALLS_VIEW)
+    if episodes:
+        collection = collect(
+            store, s3_endpoint, state_dir, DEFAULT_IDLE_SECONDS if idle_seconds is None else idle_seconds
+        )
+        con.register("segments", collection.segments)
+        con.register("episodes", collection.episodes)
     return con
+
+
+def mentions_episodes(query: str) -> bool:
+    """Whether a query reads the views that need the collector to run first."""
+    return re.search(r"\b(episodes|segments)\b", query, re.IGNORECASE) is not None

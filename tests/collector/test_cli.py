@@ -1,0 +1,112 @@
+"""The collector's commands on a synthetic store: sql (views, formats, shell), episodes, collect, report, view."""
+
+import json
+import struct
+
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from bench.collector_generate import write_rewards
+from collector.episode import SEGMENT_SCHEMA
+from forge.cli import cli
+
+
+def forge(*args: str, input: str | None = None):
+    return CliRunner().invoke(cli, list(args), input=input, catch_exceptions=False)
+
+
+def as_json(*args: str) -> list[dict]:
+    result = forge(*args, "--format", "json")
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_episodes_lists_statuses_and_filters(synthetic_store):
+    store = ["--store", synthetic_store.uri, "--idle-seconds", "0"]
+    rows = {r["episode_id"]: r for r in as_json("episodes", *store)}
+    assert {k: r["status"] for k, r in rows.items()} == {
+        "broken": "error", "compacted": "complete", "linear": "complete", "pending": "no_reward",
+    }  # fmt: skip
+    assert (rows["compacted"]["n_segments"], rows["compacted"]["n_merged"], rows["compacted"]["n_forked"]) == (2, 2, 1)
+    assert "truncated: client hung up" in rows["broken"]["status_detail"]
+    assert [r["episode_id"] for r in as_json("episodes", *store, "--status", "error")] == ["broken"]
+    assert [r["episode_id"] for r in as_json("episodes", *store, "--task", "t1")] == ["compacted", "linear"]
+    assert [r["episode_id"] for r in as_json("episodes", *store, "--run", "run-b")] == ["broken", "pending"]
+    assert as_json("episodes", *store, "--since", "2026-01-06") == []
+    assert len(as_json("episodes", *store, "--since", "2026-01-05T00:00")) == 4
+    bad = forge("episodes", *store, "--since", "last tuesday")
+    assert bad.exit_code == 2 and bad.output.startswith("forge: --since") and "Traceback" not in bad.output
+
+
+def test_sql_has_the_episode_views_and_an_interactive_shell(synthetic_store):
+    store = ["--store", synthetic_store.uri]
+    counts = as_json("sql", *store, "SELECT episode_id, count(*) AS n FROM segments GROUP BY 1 ORDER BY 1")
+    assert counts == [{"episode_id": "broken", "n": 1}, {"episode_id": "compacted", "n": 2},
+                      {"episode_id": "linear", "n": 1}, {"episode_id": "pending", "n": 1}]  # fmt: skip
+    csv_out = forge("sql", *store, "--format", "csv", "SELECT episode_id FROM episodes ORDER BY 1")
+    assert csv_out.output.splitlines() == ["episode_id", "broken", "compacted", "linear", "pending"]
+    session = "SELECT count(*) AS n\nFROM episodes;\nSELECT nonsense FROM nowhere;\nSELECT 41 + 1 AS answer;\n.quit\n"
+    result = forge("sql", *store, input=session)
+    assert result.exit_code == 0
+    assert "n\n-\n4" in result.output.replace(" ", "")  # the multi-line statement ran
+    assert "forge: SQL error" in result.output and "answer" in result.output  # an error does not end the shell
+    write_rewards(synthetic_store.uri, [{"episode_id": "pending", "reward": 0.5, "components": {"tests": 1.0}}],
+                  name="more-rewards")  # fmt: skip
+    rewards = as_json("sql", *store, "SELECT components, reward FROM rewards WHERE episode_id = 'pending'")
+    assert rewards == [{"components": {"tests": 1.0}, "reward": 0.5}]  # a map is a JSON object
+    error = forge("sql", *store, "SELECT * FROM nowhere")
+    assert error.exit_code == 2 and error.output.startswith("forge: SQL error")
+
+
+def test_collect_writes_the_trainable_segments_in_the_episode_schema(synthetic_store, tmp_path):
+    out = tmp_path / "batches" / "round-0.parquet"
+    result = forge("collect", "--store", synthetic_store.uri, "--out", str(out))
+    assert result.exit_code == 0, result.output
+    table = pq.read_table(out)
+    assert table.schema.equals(SEGMENT_SCHEMA, check_metadata=False)
+    assert sorted(set(table["episode_id"].to_pylist())) == ["compacted", "linear"]  # complete ones only
+    for row in table.to_pylist():
+        assert len(row["input_ids"]) == len(row["loss_mask"]) == len(row["behaviour_logprobs"])
+        assert all(lp == 0 for lp, m in zip(row["behaviour_logprobs"], row["loss_mask"], strict=True) if not m)
+        assert row["group_id"] == "run-a/t1/v0"
+    folder = tmp_path / "all"
+    everything = forge("collect", "--store", synthetic_store.uri, "--out", str(folder), "--status", "complete",
+                       "--status", "error", "--status", "no_reward", "--status", "unfinished")  # fmt: skip
+    assert everything.exit_code == 0
+    assert pq.read_table(folder / "segments.parquet").num_rows == 5
+    (tmp_path / "a-file").write_text("")
+    bad = forge("collect", "--store", synthetic_store.uri, "--out", str(tmp_path / "a-file" / "x.parquet"))
+    assert bad.exit_code == 2 and bad.output.startswith("forge: ") and "Traceback" not in bad.output
+
+
+def test_report_gives_fidelity_per_harness_and_run_and_a_png(synthetic_store, tmp_path):
+    png = tmp_path / "fidelity.png"
+    rows = as_json("report", "--store", synthetic_store.uri, "--png", str(png))
+    by = {(r["grouping"], r["name"]): r for r in rows}
+    run_a, codex = by[("run", "run-a")], by[("harness", "codex")]
+    # run-a: linear (2 merges) + compacted (2 merges, 1 fork); run-b / codex: broken (1 merge, truncated), pending
+    assert (run_a["merge_rate"], run_a["fork_rate"]) == pytest.approx((4 / 5, 1 / 5))
+    assert (codex["truncated_calls"], codex["truncated_share"]) == (1, pytest.approx(1 / 4))
+    assert (codex["merge_rate"], codex["calls"]) == (1.0, 4)
+    assert codex["calls_without_ids"] == 0 and run_a["complete"] == 2
+    assert 0 < run_a["trainable_share"] < 1
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = struct.unpack(">II", data[16:24])
+    assert width >= 600 and height >= 300 and len(data) > 10_000
+
+
+def test_view_writes_a_page_with_every_segment_and_masked_tokens(synthetic_store, tmp_path):
+    page_path = tmp_path / "compacted.html"
+    result = forge("view", "compacted", "--store", synthetic_store.uri, "--html", str(page_path), "--ids")
+    assert result.exit_code == 0, result.output
+    page = page_path.read_text()
+    assert page.count("<section class='segment'") == 2
+    segments = as_json("sql", "--store", synthetic_store.uri, "SELECT * FROM segments WHERE episode_id = 'compacted'")
+    trainable = sum(s["n_trainable"] for s in segments)
+    assert page.count("class='tok gen' title=") == trainable
+    assert page.count("class='tok ctx' title=") == sum(len(s["input_ids"]) for s in segments) - trainable
+    assert page.count("class='call-boundary' data-call-id=") == 4
+    missing = forge("view", "nope", "--store", synthetic_store.uri, "--html", str(page_path))
+    assert missing.exit_code == 2 and "no episode 'nope'" in missing.output
