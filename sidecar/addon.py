@@ -7,10 +7,15 @@ Run by `forge sidecar` as ``mitmdump -s sidecar/addon.py``. The hooks below are 
 - ``responseheaders``: stream SSE answers live, one event at a time, gathering ids and hiding them.
 - ``response``: hide the added fields from a whole answer; log the call record before the harness gets it.
 - ``error``: a client that hung up or an upstream that reset: record what was seen, marked truncated.
+- ``tls_clienthello`` (transparent mode): open TLS only for model hosts (by SNI), pass the rest through untouched.
+
+``PolicyGuard`` (after ``Forge``): a policy server that cannot be reached, or answers an error that is not JSON,
+gets the harness an error in its API's own format instead of mitmproxy's HTML page; the call is recorded.
 
 Recording is fail-open: any exception in our code is logged and counted, and the harness's call goes on.
 """
 
+import asyncio
 import fnmatch
 import itertools
 import json
@@ -31,8 +36,10 @@ from mitmproxy import ctx, http
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # mitmdump loads this file as a script
 
 from sidecar import __version__ as SIDECAR_VERSION
+from sidecar import transparent
 from sidecar.admin import AdminServer
 from sidecar.apis import openai
+from sidecar.apis.errors import error_body, error_headers
 from sidecar.metrics import Metrics
 from sidecar.prefix import PrefixIndex
 from sidecar.record import harness_from_user_agent
@@ -109,6 +116,7 @@ class Forge:
         add("forge_flush_bytes", int, 64 << 20, "Close a WAL segment after this many bytes.")
         add("forge_flush_seconds", str, "5.0", "Close a WAL segment after this many seconds.")
         add("forge_max_wal_bytes", int, 4 << 30, "Bound of the WAL on disk; past it new records are dropped.")
+        add("forge_tls_passthrough", bool, False, "Open TLS only for model hosts (by SNI); pass the rest through.")
 
     def running(self) -> None:
         o = ctx.options
@@ -159,6 +167,15 @@ class Forge:
             self.stop.wait(2.0)
 
     # -- hooks ----------------------------------------------------------------------------------------------
+    def tls_clienthello(self, data: Any) -> None:
+        """Transparent mode: a TLS connection whose SNI is not a model host is passed through, never decrypted."""
+        if not ctx.options.forge_tls_passthrough or type(data.context.client.proxy_mode).__name__ == "ReverseMode":
+            return
+        address = data.context.server.address
+        decision = transparent.tls_decision(data.client_hello.sni, address[1] if address else None, self.model_hosts)
+        if decision == transparent.PASSTHROUGH:
+            data.ignore_connection = True
+
     def requestheaders(self, flow: http.HTTPFlow) -> None:
         try:
             api = self._model_api(flow)
@@ -397,4 +414,42 @@ class Forge:
                   scrub_text(str(error), self.secrets))  # fmt: skip
 
 
-addons = [Forge()]
+class PolicyGuard:
+    """Policy server down: the harness gets its API's JSON error (no internal address), and the call is recorded."""
+
+    connect_timeout_s = 5.0
+
+    async def request(self, flow: http.HTTPFlow) -> None:
+        call: Call | None = flow.metadata.get("forge_call")
+        if call is None or flow.response is not None:
+            return
+        try:  # mitmproxy's own answer to a failed connection is an HTML page naming the address: try first
+            _, writer = await asyncio.wait_for(
+                asyncio.open_connection(flow.request.host, flow.request.port), self.connect_timeout_s
+            )
+            writer.close()
+        except (OSError, TimeoutError) as error:
+            call.error = f"the policy server is unreachable ({type(error).__name__})"
+            flow.response = http.Response.make(
+                502, error_body(call.api, 502, "The policy server is unavailable; the call was recorded as failed.",
+                                "policy_unavailable"),
+                error_headers(call.api),
+            )  # fmt: skip
+
+    def response(self, flow: http.HTTPFlow) -> None:
+        response = flow.response
+        api = flow.metadata.get("forge_api")
+        if api is None or response is None or response.status_code < 400:
+            return
+        if "json" in response.headers.get("content-type", "") or "text/event-stream" in response.headers.get(
+            "content-type", ""
+        ):
+            return
+        message = f"The policy server answered {response.status_code} {response.reason}."
+        response.headers.pop("content-encoding", None)
+        for name, value in error_headers(api).items():
+            response.headers[name] = value
+        response.content = error_body(api, response.status_code, message)
+
+
+addons = [Forge(), PolicyGuard()]
