@@ -7,7 +7,8 @@ Run by `forge sidecar` as ``mitmdump -s sidecar/addon.py``. The hooks below are 
 - ``responseheaders``: stream SSE answers live, one event at a time, gathering ids and hiding them.
 - ``response``: hide the added fields from a whole answer; log the call record before the harness gets it.
 - ``error``: a client that hung up or an upstream that reset: record what was seen, marked truncated.
-- ``tls_clienthello`` (transparent mode): open TLS only for model hosts (by SNI), pass the rest through untouched.
+- ``tls_clienthello`` (transparent mode): open TLS only for model hosts (by SNI), pass the rest through untouched;
+  pick h2 for an opened one when the client offers it, as the real model host would.
 
 ``PolicyGuard`` (after ``Forge``): a policy server that cannot be reached, or answers an error that is not JSON,
 gets the harness an error in its API's own format instead of mitmproxy's HTML page; the call is recorded.
@@ -175,6 +176,11 @@ class Forge:
         decision = transparent.tls_decision(data.client_hello.sni, address[1] if address else None, self.model_hosts)
         if decision == transparent.PASSTHROUGH:
             data.ignore_connection = True
+            return
+        # Answer ALPN like the real model host, which picks h2 when offered (mitmproxy's TlsConfig reads this).
+        client = data.context.client
+        if client.alpn is None:
+            client.alpn = transparent.preferred_alpn(data.client_hello.alpn_protocols, ctx.options.http2)
 
     def requestheaders(self, flow: http.HTTPFlow) -> None:
         try:

@@ -32,3 +32,14 @@ def is_model_host(name: str | None, port: int | None, model_hosts: set[str]) -> 
 def tls_decision(sni: str | None, port: int | None, model_hosts: set[str]) -> str:
     """Open a TLS connection only for a model host named in its SNI; pass every other one through."""
     return INTERCEPT if is_model_host(sni, port, model_hosts) else PASSTHROUGH
+
+
+def preferred_alpn(client_offers: "list[bytes] | tuple[bytes, ...]", http2: bool) -> bytes | None:
+    """The protocol to answer an opened connection's ALPN with, as a real model host would: h2 when offered.
+
+    mitmproxy otherwise takes the client's first choice, and httpx/httpcore offer "http/1.1" before "h2" even
+    when configured for HTTP/2 only (it then speaks h2 over a connection negotiated as HTTP/1.1).
+    """
+    if http2 and b"h2" in client_offers:
+        return b"h2"
+    return None
