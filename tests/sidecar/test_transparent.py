@@ -84,6 +84,11 @@ class TransparentPod:
             time.sleep(0.2)
         raise AssertionError(f"the sidecar did not start:\n{self.log.read_text()}")
 
+    def metrics(self) -> dict[str, float]:
+        done = self.net.pod.run(["curl", "-sf", f"http://127.0.0.1:{ADMIN_PORT}/metrics"])
+        return {name.removeprefix("forge_sidecar_"): float(value)
+                for name, value in (line.rsplit(" ", 1) for line in done.stdout.splitlines())}  # fmt: skip
+
     def stop_sidecar(self) -> None:
         if self.sidecar is not None:
             stop(self.sidecar)
@@ -234,6 +239,8 @@ def test_the_sidecars_own_connections_are_not_looped_back(pod):
 def test_a_down_policy_server_gets_an_openai_format_error_and_a_record(pod):
     pod.relay.close()  # the policy server's address now refuses connections
     try:
+        # Known down (the sidecar polls every 2 s) the guard tries the connection first and answers itself.
+        wait_for(lambda: pod.metrics().get("upstream_up") == 0, what="the sidecar to see the policy server down")
         content = "The policy is down now."
         done = pod.client([
             "curl", "-sS", "-w", "\n%{http_code}", f"https://{MODEL_HOST}/v1/chat/completions",
@@ -250,6 +257,8 @@ def test_a_down_policy_server_gets_an_openai_format_error_and_a_record(pod):
         assert "unreachable" in call["error"]
     finally:
         pod.relay.open()
+    wait_for(lambda: pod.metrics().get("upstream_up") == 1, what="the policy server back")
+    assert curl_model_call(pod, "Back again?", "-4")["text"] is not None  # served again once it is back
 
 
 def test_with_the_sidecar_down_model_calls_fail_closed(pod):
