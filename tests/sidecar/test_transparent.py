@@ -112,6 +112,9 @@ class TransparentPod:
 
 @pytest.fixture(scope="module")
 def pod(policy_server) -> Iterator[TransparentPod]:
+    # vLLM's first chat call with logprobs can take a minute on a loaded CPU: pay it here, not in a client's timeout.
+    warm = {**model_body("Warm up."), "model": policy_server.name, "return_token_ids": True, "logprobs": True}
+    httpx.post(f"{policy_server.base_url}/v1/chat/completions", json=warm, timeout=300).raise_for_status()
     net = build_pod_network([MODEL_HOST, OTHER_HOST])
     relay = Relay((net.root_address, free_port()), ("127.0.0.1", policy_server.port))
     try:
