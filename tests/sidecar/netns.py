@@ -42,6 +42,14 @@ def root_cause() -> str | None:
     return None
 
 
+def closed_to_others(path: Path) -> Path | None:
+    """The first folder on the way to ``path`` that another uid cannot enter (None: all can)."""
+    for folder in [*reversed(path.resolve().parents), path.resolve()]:
+        if folder.is_dir() and not folder.stat().st_mode & 0o001:
+            return folder
+    return None
+
+
 def sh(args: Sequence[str], check: bool = True, timeout: float = 60, **kwargs) -> subprocess.CompletedProcess:
     done = subprocess.run(list(args), capture_output=True, text=True, timeout=timeout, **kwargs)
     if check and done.returncode != 0:

@@ -28,6 +28,7 @@ from tests.sidecar.netns import (
     PodNetwork,
     Relay,
     build_pod_network,
+    closed_to_others,
     root_cause,
     sh,
     stop,
@@ -112,6 +113,14 @@ class TransparentPod:
 
 @pytest.fixture(scope="module")
 def pod(policy_server) -> Iterator[TransparentPod]:
+    for needed in (
+        HERE.parent.parent / "sidecar",
+        HERE.parent.parent / ".venv-sidecar" / "bin",
+        Path(MAIN_SITE_PACKAGES),
+    ):
+        if blocked := closed_to_others(needed):
+            pytest.fail(f"{blocked} is closed to other uids: the sidecar runs as uid {PROXY_UID}, clients as "
+                        f"{CLIENT_UID}; check out (and build the envs) where every uid can read")  # fmt: skip
     # vLLM's first chat call with logprobs can take a minute on a loaded CPU: pay it here, not in a client's timeout.
     warm = {**model_body("Warm up."), "model": policy_server.name, "return_token_ids": True, "logprobs": True}
     httpx.post(f"{policy_server.base_url}/v1/chat/completions", json=warm, timeout=300).raise_for_status()
