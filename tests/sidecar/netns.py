@@ -140,6 +140,7 @@ class Relay:
     def __init__(self, listen: tuple[str, int], target: tuple[str, int]) -> None:
         self.listen, self.target = listen, target
         self.server: socket.socket | None = None
+        self.answer: bytes | None = None  # set: answer every request with these bytes, as a gateway would
 
     def open(self) -> "Relay":
         server = socket.create_server(self.listen, reuse_port=False)
@@ -161,6 +162,9 @@ class Relay:
                 continue
             except OSError:
                 return
+            if self.answer is not None:
+                threading.Thread(target=self._answer, args=(client, self.answer), daemon=True).start()
+                continue
             try:
                 upstream = socket.create_connection(self.target, timeout=10)
             except OSError:
@@ -168,6 +172,20 @@ class Relay:
                 continue
             for a, b in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _answer(client: socket.socket, answer: bytes) -> None:
+        client.settimeout(10)
+        with client:
+            data = b""
+            while b"\r\n\r\n" not in data and (chunk := client.recv(65536)):
+                data += chunk
+            head, _, body = data.partition(b"\r\n\r\n")
+            length = next((int(line.split(b":")[1]) for line in head.lower().split(b"\r\n")
+                           if line.startswith(b"content-length:")), 0)  # fmt: skip
+            while len(body) < length and (chunk := client.recv(65536)):
+                body += chunk
+            client.sendall(answer)
 
     @staticmethod
     def _pipe(source: socket.socket, sink: socket.socket) -> None:

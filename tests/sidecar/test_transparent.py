@@ -273,6 +273,24 @@ def test_a_down_policy_server_gets_an_openai_format_error_and_a_record(pod):
     assert curl_model_call(pod, "Back again?", "-4")["text"] is not None  # served again once it is back
 
 
+def test_a_gateways_html_error_in_front_of_the_policy_reaches_the_harness_as_an_openai_error(pod):
+    page = f"<html><body>upstream connect error to {pod.relay.listen[0]}</body></html>".encode()
+    pod.relay.answer = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/html\r\nconnection: close\r\n"
+                        b"content-length: %d\r\n\r\n" % len(page)) + page  # fmt: skip
+    try:
+        content = "Behind a gateway that is failing."
+        done = pod.client(["curl", "-sS", "-w", "\n%{http_code}", f"https://{MODEL_HOST}/v1/chat/completions",
+                           "-H", "content-type: application/json", "-d", json.dumps(model_body(content))])  # fmt: skip
+    finally:
+        pod.relay.answer = None
+    body, status = done.stdout.rsplit("\n", 1)
+    assert status == "503" and json.loads(body)["error"]["type"] == "server_error"
+    assert pod.relay.listen[0] not in body and "<html>" not in body
+    (call,) = wait_for(lambda: [c for c in read_calls(str(pod.store)) if content in (c["request_json"] or "")],
+                       what="the failed call's record")  # fmt: skip
+    assert (call["status"], call["http_status"]) == ("upstream_error", 503)
+
+
 def test_with_the_sidecar_down_model_calls_fail_closed(pod):
     pod.stop_sidecar()
     try:
