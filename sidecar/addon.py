@@ -9,10 +9,16 @@ Run by `forge sidecar` as ``mitmdump -s sidecar/addon.py``. The hooks below are 
 - ``responseheaders``: stream SSE answers live, one event at a time, gathering ids and hiding them.
 - ``response``: hide the added fields from a whole answer; log the call record before the harness gets it.
 - ``error``: a client that hung up or an upstream that reset: record what was seen, marked truncated.
+- ``tls_clienthello`` (transparent mode): open TLS only for model hosts (by SNI), pass the rest through untouched;
+  pick h2 for an opened one when the client offers it, as the real model host would.
+
+``PolicyGuard`` (after ``Forge``): a policy server that cannot be reached, or answers an error that is not JSON,
+gets the harness an error in its API's own format instead of mitmproxy's HTML page; the call is recorded.
 
 Recording is fail-open: any exception in our code is logged and counted, and the harness's call goes on.
 """
 
+import asyncio
 import fnmatch
 import itertools
 import json
@@ -33,9 +39,10 @@ from mitmproxy import ctx, http
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # mitmdump loads this file as a script
 
 from sidecar import __version__ as SIDECAR_VERSION
-from sidecar import apis
+from sidecar import apis, transparent
 from sidecar.admin import AdminServer
 from sidecar.apis.base import Sampled
+from sidecar.apis.errors import error_body, error_headers
 from sidecar.metrics import Metrics
 from sidecar.prefix import PrefixIndex
 from sidecar.record import harness_from_user_agent
@@ -70,6 +77,8 @@ class Call:
     run_id: str
     seq: int
     started_at: int
+    host: str = ""
+    path: str = ""
     model_requested: str | None = None
     request_json: str | None = None
     secrets: list[str] = field(default_factory=list)
@@ -123,6 +132,7 @@ class Forge:
         add("forge_flush_bytes", int, 64 << 20, "Close a WAL segment after this many bytes.")
         add("forge_flush_seconds", str, "5.0", "Close a WAL segment after this many seconds.")
         add("forge_max_wal_bytes", int, 4 << 30, "Bound of the WAL on disk; past it new records are dropped.")
+        add("forge_tls_passthrough", bool, False, "Open TLS only for model hosts (by SNI); pass the rest through.")
 
     def running(self) -> None:
         o = ctx.options
@@ -173,6 +183,20 @@ class Forge:
             self.stop.wait(2.0)
 
     # -- hooks ----------------------------------------------------------------------------------------------
+    def tls_clienthello(self, data: Any) -> None:
+        """Transparent mode: a TLS connection whose SNI is not a model host is passed through, never decrypted."""
+        if not ctx.options.forge_tls_passthrough or type(data.context.client.proxy_mode).__name__ == "ReverseMode":
+            return
+        address = data.context.server.address
+        decision = transparent.tls_decision(data.client_hello.sni, address[1] if address else None, self.model_hosts)
+        if decision == transparent.PASSTHROUGH:
+            data.ignore_connection = True
+            return
+        # Answer ALPN like the real model host, which picks h2 when offered (mitmproxy's TlsConfig reads this).
+        client = data.context.client
+        if client.alpn is None:
+            client.alpn = transparent.preferred_alpn(data.client_hello.alpn_protocols, ctx.options.http2)
+
     def requestheaders(self, flow: http.HTTPFlow) -> None:
         try:
             api = self._model_api(flow)
@@ -277,6 +301,7 @@ class Forge:
             task_id=task, run_id=run, seq=seq,
             started_at=int(flow.request.timestamp_start * 1e6),
             secrets=secrets_in_headers(flow.request.headers) + self.secrets,
+            host=flow.request.host_header or flow.request.pretty_host, path=flow.request.path.split("?", 1)[0],
         )  # fmt: skip
         flow.metadata["forge_call"] = call
         self._strip_hop_secrets(flow)
@@ -452,7 +477,7 @@ class Forge:
         row = {
             "call_id": call.call_id, "episode_id": call.episode_id, "task_id": call.task_id, "run_id": call.run_id,
             "seq": call.seq, "api": call.api, "stream": bool(call.added and call.added.stream),
-            "host": flow.request.host_header or flow.request.pretty_host, "path": flow.request.path.split("?", 1)[0],
+            "host": call.host, "path": call.path,  # as the harness called them, before routing
             "model_requested": call.model_requested, "model_served": sampled.model if sampled else None,
             "response_id": sampled.response_id if sampled else None,
             "policy_version": self.policy_version, "started_at": call.started_at,
@@ -480,4 +505,66 @@ class Forge:
                   scrub_text(str(error), self.secrets))  # fmt: skip
 
 
-addons = [Forge()]
+class PolicyGuard:
+    """Policy server down: the harness gets its API's JSON error (no internal address), and the call is recorded.
+
+    mitmproxy answers a failed upstream connection itself, with an HTML page naming the address, and no hook can
+    replace that page. So while the policy server is not known to be up (the poller says so, or a call to it
+    failed), each model call first tries to connect, and a refusal is answered here. Known up, no probe is made
+    (it would cost a connection per call): a server that dies between two polls (2 s) can still get one call
+    mitmproxy's own page before the guard notices.
+    """
+
+    connect_timeout_s = 5.0
+
+    def __init__(self, forge: Forge) -> None:
+        self.forge = forge
+        self.reachable: bool | None = None  # what the last model call to the policy server showed
+
+    async def request(self, flow: http.HTTPFlow) -> None:
+        call: Call | None = flow.metadata.get("forge_call")
+        if call is None or flow.response is not None:
+            return
+        if self.forge.metrics.get("upstream_up") == 1 and self.reachable is not False:
+            return
+        try:
+            _, writer = await asyncio.wait_for(
+                asyncio.open_connection(flow.request.host, flow.request.port), self.connect_timeout_s
+            )
+            writer.close()
+        except (OSError, TimeoutError) as error:
+            self.reachable = False
+            call.error = f"the policy server is unreachable ({type(error).__name__})"
+            flow.metadata["forge_answered"] = True
+            flow.response = http.Response.make(
+                502, error_body(call.api, 502, "The policy server is unavailable; the call was recorded as failed.",
+                                "policy_unavailable"),
+                error_headers(call.api),
+            )  # fmt: skip
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        if "forge_call" in flow.metadata and flow.response is None:
+            self.reachable = False  # the next model calls probe first
+
+    def response(self, flow: http.HTTPFlow) -> None:
+        response = flow.response
+        api = flow.metadata.get("forge_api")
+        if api is None or response is None:
+            return
+        if "forge_call" in flow.metadata and not flow.metadata.get("forge_answered"):
+            self.reachable = True
+        if response.status_code < 400:
+            return
+        if "json" in response.headers.get("content-type", "") or "text/event-stream" in response.headers.get(
+            "content-type", ""
+        ):
+            return
+        message = f"The policy server answered {response.status_code} {response.reason}."
+        response.headers.pop("content-encoding", None)
+        for name, value in error_headers(api).items():
+            response.headers[name] = value
+        response.content = error_body(api, response.status_code, message)
+
+
+forge = Forge()
+addons = [forge, PolicyGuard(forge)]

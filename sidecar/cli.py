@@ -1,5 +1,6 @@
 """`forge sidecar` (mitmdump with the OpenForge addon, from the sidecar environment) and `forge reward`."""
 
+import json
 import math
 import os
 import uuid
@@ -10,6 +11,7 @@ import click
 
 from forge.errors import ForgeError
 from forge.paths import repo_root
+from sidecar import ca, netinit
 from sidecar.record import to_table
 from sidecar.store import Store, StoreError, open_store
 
@@ -30,7 +32,7 @@ def checked_store(uri: str, s3_endpoint: str | None) -> Store:
 
 def mitmdump_command(
     mode: str, listen_host: str, listen_port: int, upstream: str, store: str, wal_dir: Path, confdir: Path,
-    episode_id: str | None, options: dict[str, object],
+    episode_id: str | None, options: dict[str, object], mitmproxy_options: dict[str, str] | None = None,
 ) -> list[str]:  # fmt: skip
     args = [
         str(sidecar_python_bin() / "mitmdump"), "-q", "-s", str(ADDON),
@@ -48,12 +50,30 @@ def mitmdump_command(
     for name, value in options.items():
         if value not in (None, ""):
             args += ["--set", f"forge_{name}={value}"]
+    for name, value in (mitmproxy_options or {}).items():
+        args += ["--set", f"{name}={value}"]
     return args
+
+
+def upstream_trust(confdir: Path, extra_cas: tuple[Path, ...]) -> dict[str, str]:
+    """Extra CAs to verify upstream servers with: the system CAs plus them, in one bundle (verification stays on)."""
+    if not extra_cas:
+        return {}
+    parts = [ca.SYSTEM_BUNDLE.read_bytes()] if ca.SYSTEM_BUNDLE.exists() else []
+    for path in extra_cas:
+        try:
+            parts.append(path.read_bytes())
+        except OSError as error:
+            raise ForgeError(f"--upstream-ca {path}: {error.strerror}") from error
+    bundle = confdir / "upstream-ca-bundle.pem"
+    bundle.write_bytes(b"\n".join(p.rstrip(b"\n") for p in parts) + b"\n")
+    bundle.chmod(0o644)
+    return {"ssl_verify_upstream_trusted_ca": str(bundle)}
 
 
 @click.command("sidecar")
 @click.option("--mode", default="regular", show_default=True, help="regular | reverse:URL | transparent")
-@click.option("--listen-host", default="127.0.0.1", show_default=True)
+@click.option("--listen-host", help="[default: 127.0.0.1; transparent: all addresses, so ::1 too]")
 @click.option("--listen-port", type=int, default=15001, show_default=True)
 @click.option("--upstream", default="http://127.0.0.1:8000", show_default=True, help="The policy server (vLLM).")
 @click.option("--store", default="./forge-data", show_default=True, help="Folder or s3://bucket/prefix.")
@@ -75,17 +95,26 @@ def mitmdump_command(
 @click.option("--flush-rows", type=int, default=2000, show_default=True)
 @click.option("--max-wal-bytes", type=int, default=4 << 30, show_default=True)
 @click.option("--max-completion-tokens", type=int, default=0, help="Bound every completion (rollout length); 0: off.")
+@click.option("--ca-dir", type=click.Path(path_type=Path, file_okay=False),
+              help="The CA to sign model hosts with (`forge ca init --dir`) [default: WAL_DIR/mitmproxy].")  # fmt: skip
+@click.option("--upstream-ca", type=click.Path(path_type=Path, dir_okay=False), multiple=True,
+              help="Extra CA (PEM) to verify upstream servers with, besides the system CAs; repeatable.")  # fmt: skip
+@click.option("--print-command", is_flag=True, hidden=True, help="Print mitmdump's command line (JSON), run nothing.")
 def sidecar_command(
-    mode: str, listen_host: str, listen_port: int, upstream: str, store: str, s3_endpoint: str | None,
+    mode: str, listen_host: str | None, listen_port: int, upstream: str, store: str, s3_endpoint: str | None,
     wal_dir: Path | None, episode_id: str | None, task_id: str | None, run_id: str | None, admin_port: int,
     model_map: str, model_hosts: str, policy_version: str | None, flush_seconds: float, flush_rows: int,
-    max_wal_bytes: int, max_completion_tokens: int,
+    max_wal_bytes: int, max_completion_tokens: int, ca_dir: Path | None, upstream_ca: tuple[Path, ...],
+    print_command: bool,
 ) -> None:  # fmt: skip
     """Run the capture sidecar: serve model calls from the policy and record them token by token.
 
     Model calls (Chat Completions, Completions, Responses, Anthropic Messages to a model host, or to any host
     in reverse mode) go to --upstream with token ids and logprobs requested, and are recorded to --store;
     everything else passes through untouched and unrecorded. SIGTERM flushes all records before exiting.
+
+    --mode transparent (behind `forge net-init`): the original destination comes from the redirect; TLS is
+    opened only for model hosts (by SNI, certificates from --ca-dir), everything else passes through untouched.
     """
     if not (mode in ("regular", "transparent") or mode.startswith("reverse:")):
         raise ForgeError(f"unknown --mode {mode!r}: use regular, reverse:URL or transparent")
@@ -94,15 +123,26 @@ def sidecar_command(
     if not mitmdump.exists():
         raise ForgeError(f"no sidecar environment at {mitmdump.parent.parent}: run `make env`")
     wal = (wal_dir or Path("forge-wal")).resolve()
-    confdir = wal / "mitmproxy"
+    confdir = ca_dir.resolve() if ca_dir else wal / "mitmproxy"
+    if ca_dir and not (confdir / ca.CA_FILE).exists():
+        raise ForgeError(f"no CA in {confdir}: run `forge ca init --dir {ca_dir}` first")
     confdir.mkdir(parents=True, exist_ok=True)
+    wal.mkdir(parents=True, exist_ok=True)
+    transparent = mode == "transparent"
+    if listen_host is None:
+        listen_host = "" if transparent else "127.0.0.1"  # REDIRECT sends IPv4 to 127.0.0.1 and IPv6 to ::1
     args = mitmdump_command(
         mode, listen_host, listen_port, upstream, store, wal, confdir, episode_id,
         {"task_id": task_id, "run_id": run_id, "admin_port": admin_port or None, "model_map": model_map,
          "model_hosts": model_hosts, "policy_version": policy_version, "s3_endpoint": s3_endpoint,
          "flush_seconds": flush_seconds, "flush_rows": flush_rows, "max_wal_bytes": max_wal_bytes,
-         "max_completion_tokens": max_completion_tokens or None},
+         "max_completion_tokens": max_completion_tokens or None,
+         "tls_passthrough": "true" if transparent else None},
+        upstream_trust(wal if ca_dir else confdir, upstream_ca),
     )  # fmt: skip
+    if print_command:
+        click.echo(json.dumps(args))
+        return
     os.execv(args[0], args)  # mitmdump itself gets SIGTERM and flushes in its `done` hook
 
 
@@ -147,4 +187,75 @@ def reward_command(
     click.echo(path)
 
 
-commands: list[click.Command] = [sidecar_command, reward_command]
+def port_list(value: str, option: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(p) for p in value.replace(" ", "").split(",") if p)
+    except ValueError:
+        raise ForgeError(f"{option} {value!r}: write comma-separated port numbers, e.g. 80,443") from None
+
+
+@click.command("net-init")
+@click.option("--proxy-uid", type=int, default=1337, show_default=True, help="The sidecar's uid (not redirected).")
+@click.option("--proxy-gid", type=int, help="The sidecar's gid (not redirected) [default: --proxy-uid].")
+@click.option("--proxy-port", type=int, default=15001, show_default=True, help="The sidecar's listen port.")
+@click.option("--ports", default="80,443", show_default=True, help="Outbound TCP ports sent to the sidecar.")
+@click.option("--exclude-cidr", multiple=True, help="Destination network never redirected (v4 or v6); repeatable.")
+@click.option("--exclude-port", multiple=True, help="Destination port never redirected; repeatable or 1,2.")
+@click.option("--ipv4-only", is_flag=True, help="Leave ip6tables alone (a kernel without IPv6).")
+@click.option("--dry-run", is_flag=True, help="Print the rules, change nothing.")
+@click.option("--cleanup", is_flag=True, help="Remove exactly what net-init added.")
+def net_init_command(
+    proxy_uid: int, proxy_gid: int | None, proxy_port: int, ports: str, exclude_cidr: tuple[str, ...],
+    exclude_port: tuple[str, ...], ipv4_only: bool, dry_run: bool, cleanup: bool,
+) -> None:  # fmt: skip
+    """Send the pod's outbound 80/443 to the sidecar (iptables and ip6tables nat rules), as an init container.
+
+    Needs NET_ADMIN. Re-running it is harmless. While the rules are in place and the sidecar is down, those
+    connections are refused: model calls fail closed, nothing bypasses the sidecar.
+    """
+    families = (4,) if ipv4_only else (4, 6)
+    if cleanup:
+        if dry_run:
+            for family in families:
+                for args in netinit.cleanup_rules():
+                    click.echo(" ".join([netinit.FAMILIES[family], "-w", *args]))
+            return
+        for line in netinit.cleanup(families):
+            click.echo(line)
+        return
+    config = netinit.NetInit(
+        proxy_uid=proxy_uid, proxy_gid=proxy_gid, proxy_port=proxy_port, ports=port_list(ports, "--ports"),
+        exclude_cidrs=tuple(c for item in exclude_cidr for c in item.split(",") if c),
+        exclude_ports=tuple(p for item in exclude_port for p in port_list(item, "--exclude-port")),
+        families=families,
+    )  # fmt: skip
+    if dry_run:
+        for line in netinit.dry_run(config):
+            click.echo(line)
+        return
+    for line in netinit.apply(config):
+        click.echo(line)
+
+
+@click.group("ca")
+def ca_group() -> None:
+    """The CA the sidecar signs model hosts with, and the bundle the harness trusts."""
+
+
+@ca_group.command("init")
+@click.option("--dir", "directory", type=click.Path(path_type=Path, file_okay=False), default=Path("forge-ca"),
+              show_default=True, help="Where the CA and bundle go (give it to `forge sidecar --ca-dir`).")  # fmt: skip
+@click.option("--cert", type=click.Path(path_type=Path, dir_okay=False, exists=True), help="A given CA certificate.")
+@click.option("--key", type=click.Path(path_type=Path, dir_okay=False, exists=True), help="Its private key.")
+@click.option("--force", is_flag=True, help="Replace an existing CA with a new one.")
+@click.option("--owner", type=int, help="uid to own the files (the sidecar's, e.g. 1337).")
+def ca_init_command(directory: Path, cert: Path | None, key: Path | None, force: bool, owner: int | None) -> None:
+    """Make (or take) the sidecar's CA and write ca-bundle.pem (system CAs + ours); print the trust env."""
+    files = ca.init_ca(directory.resolve(), cert, key, force=force, owner=owner)
+    click.echo(f"CA: {files.ca}  bundle: {files.bundle}")
+    click.echo("# the harness's environment:")
+    for name, value in files.trust_env().items():
+        click.echo(f"{name}={value}")
+
+
+commands: list[click.Command] = [sidecar_command, reward_command, net_init_command, ca_group]

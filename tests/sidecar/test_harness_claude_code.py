@@ -54,7 +54,7 @@ def test_claude_code_runs_a_task_through_the_sidecar_and_every_call_is_exact(
     ok = [c for c in model_calls if c["status"] == "ok"]
     assert ok, f"no complete call recorded:\n{transcript[-3000:]}"
     for call in ok:
-        assert call["stream"] and call["path"] == "/v1/chat/completions"  # served through chat, with ids
+        assert call["stream"] and call["path"] == "/v1/messages"  # as Claude Code called it (served through chat)
         request = json.loads(call["request_json"])
         assert request["system"][0]["text"].startswith("x-anthropic-billing-header")  # recorded as sent
         # The sidecar ignores `thinking` (SmolLM2 cannot think; Claude Code's budget can even exceed max_tokens,

@@ -1,0 +1,187 @@
+"""`forge net-init`: the pod's nat rules that send the harness's outbound 80/443 to the sidecar (IPv4 and IPv6).
+
+What an init container runs, as Istio's does: an own nat chain, jumped to from OUTPUT, that RETURNs the
+sidecar's own uid/gid (so its upstream connections are not looped back), loopback and any excluded CIDRs or
+ports, and REDIRECTs the chosen ports to the sidecar. ``rules`` is a pure function (the commands, as data);
+``apply`` and ``cleanup`` shell out to iptables/ip6tables. Re-running ``apply`` rebuilds the chain in place;
+``cleanup`` removes exactly what ``apply`` added, the nat table too when ``apply`` created it.
+
+Fail closed: while the rules are in place and nothing listens on the proxy port, the harness's connections to
+80/443 are refused; no model call can bypass the sidecar.
+"""
+
+import ipaddress
+import shutil
+import subprocess
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from forge.errors import ForgeError
+
+CHAIN = "FORGE_OUTPUT"
+# An empty chain that says "net-init created the nat table", so cleanup can remove the table too.
+CREATED_MARK = "FORGE_NAT_CREATED"
+FAMILIES = {4: "iptables", 6: "ip6tables"}
+LOOPBACK = {4: "127.0.0.0/8", 6: "::1/128"}
+NFT_FAMILY = {4: "ip", 6: "ip6"}
+
+
+@dataclass(frozen=True)
+class NetInit:
+    """What to redirect: the options of `forge net-init`."""
+
+    proxy_uid: int
+    proxy_port: int
+    proxy_gid: int | None = None
+    ports: tuple[int, ...] = (80, 443)
+    exclude_cidrs: tuple[str, ...] = ()
+    exclude_ports: tuple[int, ...] = ()
+    families: tuple[int, ...] = (4, 6)
+    binaries: dict[int, str] = field(default_factory=lambda: dict(FAMILIES))
+
+
+def checked(config: NetInit) -> NetInit:
+    """Reject what iptables would reject later, in one line each."""
+    for port in (config.proxy_port, *config.ports, *config.exclude_ports):
+        if not 0 < port < 65536:
+            raise ForgeError(f"port {port} is out of range (1-65535)")
+    if not config.ports:
+        raise ForgeError("--ports is empty: name the ports to redirect (e.g. 80,443)")
+    if config.proxy_port in config.ports:
+        raise ForgeError(f"--proxy-port {config.proxy_port} is also a redirected port: traffic would loop")
+    for ids in (config.proxy_uid, config.proxy_gid):
+        if ids is not None and ids < 0:
+            raise ForgeError(f"uid/gid {ids} must be >= 0")
+    for cidr in config.exclude_cidrs:
+        try:
+            ipaddress.ip_network(cidr, strict=False)
+        except ValueError:
+            raise ForgeError(f"--exclude-cidr {cidr!r} is not an IPv4 or IPv6 network (e.g. 10.0.0.0/8)") from None
+    return config
+
+
+def rules(config: NetInit, family: int) -> list[list[str]]:
+    """The iptables/ip6tables arguments that build the chain and the jump to it, in order (no binary name)."""
+    nat = ["-t", "nat"]
+    chain = [*nat, "-A", CHAIN]
+    gid = config.proxy_gid if config.proxy_gid is not None else config.proxy_uid
+    commands = [
+        [*nat, "-N", CHAIN],
+        [*chain, "-m", "owner", "--uid-owner", str(config.proxy_uid), "-j", "RETURN"],
+        [*chain, "-m", "owner", "--gid-owner", str(gid), "-j", "RETURN"],
+        [*chain, "-o", "lo", "-j", "RETURN"],
+        [*chain, "-d", LOOPBACK[family], "-j", "RETURN"],
+    ]
+    for cidr in config.exclude_cidrs:
+        network = ipaddress.ip_network(cidr, strict=False)
+        if network.version == family:
+            commands.append([*chain, "-d", str(network), "-j", "RETURN"])
+    for port in config.exclude_ports:
+        commands.append([*chain, "-p", "tcp", "--dport", str(port), "-j", "RETURN"])
+    ports = ",".join(str(p) for p in config.ports)
+    commands.append(
+        [*chain, "-p", "tcp", "-m", "multiport", "--dports", ports, "-j", "REDIRECT", "--to-ports",
+         str(config.proxy_port)]
+    )  # fmt: skip
+    commands.append([*nat, "-A", "OUTPUT", "-p", "tcp", "-j", CHAIN])
+    return commands
+
+
+def cleanup_rules() -> list[list[str]]:
+    """Removing the chain: drop the jump, flush and delete the chain (apply guards the jump with -C)."""
+    return [
+        ["-t", "nat", "-D", "OUTPUT", "-p", "tcp", "-j", CHAIN],
+        ["-t", "nat", "-F", CHAIN],
+        ["-t", "nat", "-X", CHAIN],
+    ]
+
+
+def dry_run(config: NetInit) -> list[str]:
+    """The commands `apply` would run, as shell lines."""
+    checked(config)
+    return [" ".join([config.binaries[f], "-w", *args]) for f in config.families for args in rules(config, f)]
+
+
+class Tables:
+    """One family's iptables binary, run with the xtables lock (-w); errors become one ForgeError line."""
+
+    def __init__(self, binary: str) -> None:
+        if shutil.which(binary) is None:
+            raise ForgeError(f"{binary} is not installed (Debian: apt-get install -y iptables)")
+        self.binary = binary
+
+    def run(self, args: Sequence[str], check: bool = True) -> subprocess.CompletedProcess[str]:
+        done = subprocess.run([self.binary, "-w", *args], capture_output=True, text=True, timeout=30)
+        if check and done.returncode != 0:
+            said = (done.stderr or done.stdout).strip().splitlines()
+            reason = said[0] if said else f"exit {done.returncode}"
+            if "ermission denied" in reason or "you must be root" in reason:
+                raise ForgeError(
+                    f"{self.binary} needs the NET_ADMIN capability (run as root or grant NET_ADMIN): {reason}"
+                )
+            raise ForgeError(f"{self.binary} {' '.join(args)} failed: {reason}")
+        return done
+
+    def has_nat_table(self) -> bool:
+        # The whole dump: `-save -t nat` (and `-t nat -S`) would create the table they look for.
+        done = subprocess.run([f"{self.binary}-save"], capture_output=True, text=True, timeout=30)
+        if done.returncode != 0 or "ermission denied" in done.stderr:
+            self.run(["-t", "nat", "-S"])  # raises the clear line (no NET_ADMIN, ...)
+        return "*nat" in done.stdout.splitlines()
+
+    def has_chain(self, name: str) -> bool:
+        return self.run(["-t", "nat", "-S", name], check=False).returncode == 0
+
+
+def apply(config: NetInit) -> list[str]:
+    """Install the rules for every family; rebuilds the chain when it exists. Returns what was done."""
+    checked(config)
+    done = []
+    for family in config.families:
+        tables = Tables(config.binaries[family])
+        table_existed = tables.has_nat_table()  # before anything below makes the table exist
+        commands = rules(config, family)
+        create, body, jump = commands[0], commands[1:-1], commands[-1]
+        if tables.has_chain(CHAIN):
+            tables.run(["-t", "nat", "-F", CHAIN])  # re-run: the same chain, rebuilt with today's options
+        else:
+            tables.run(create)
+            if not table_existed:
+                tables.run(["-t", "nat", "-N", CREATED_MARK])
+        for args in body:
+            tables.run(args)
+        if tables.run(["-t", "nat", "-C", "OUTPUT", *jump[4:]], check=False).returncode != 0:
+            tables.run(jump)  # one jump, however often net-init runs
+        done.append(f"{tables.binary}: nat chain {CHAIN} redirects tcp {','.join(map(str, config.ports))} "
+                    f"to :{config.proxy_port} (uid {config.proxy_uid} and loopback excluded)")  # fmt: skip
+    return done
+
+
+def cleanup(families: Sequence[int] = (4, 6), binaries: dict[int, str] | None = None) -> list[str]:
+    """Remove what `apply` added (the chain, its jump, the nat table if apply created it)."""
+    done = []
+    for family in families:
+        tables = Tables((binaries or FAMILIES)[family])
+        tables.run(["-t", "nat", "-S", "OUTPUT"])
+        if not tables.has_chain(CHAIN):
+            done.append(f"{tables.binary}: no {CHAIN} chain, nothing to remove")
+            continue
+        while tables.run(["-t", "nat", "-C", "OUTPUT", "-p", "tcp", "-j", CHAIN], check=False).returncode == 0:
+            tables.run(cleanup_rules()[0])
+        for args in cleanup_rules()[1:]:
+            tables.run(args)
+        if tables.has_chain(CREATED_MARK):
+            tables.run(["-t", "nat", "-X", CREATED_MARK])
+            _drop_table_if_empty(tables, family)
+        done.append(f"{tables.binary}: removed the nat chain {CHAIN}")
+    return done
+
+
+def _drop_table_if_empty(tables: Tables, family: int) -> None:
+    """net-init made the nat table: remove it too when nothing else was added to it since (nftables only)."""
+    listing = tables.run(["-t", "nat", "-S"]).stdout.split()
+    if any(word in ("-A", "-N") for word in listing) or "DROP" in listing:
+        return
+    version = tables.run(["--version"], check=False).stdout
+    if "nf_tables" in version and shutil.which("nft"):
+        subprocess.run(["nft", "delete", "table", NFT_FAMILY[family], "nat"], capture_output=True, timeout=30)
