@@ -4,7 +4,7 @@ PY := .venv/bin/python
 FORGE := .venv/bin/forge
 PYTEST_ARGS ?=
 
-.PHONY: env model harnesses test lint typecheck unit demo clean-runs
+.PHONY: env system model harnesses test lint typecheck unit demo clean-runs
 
 # The three environments (main, sidecar, policy server), built once from requirements/*.txt and reused.
 env:
@@ -15,6 +15,10 @@ env:
 # SmolLM2-135M-Instruct as bf16 (serving) and fp32 (training) checkpoints; idempotent.
 model: env
 	@HF_HUB_OFFLINE=1 $(FORGE) model prepare
+
+# Debian packages the tests use (iptables, chromium), installed when missing.
+system:
+	@scripts/system.sh
 
 # The real harnesses the end-to-end tests drive (pinned; installed once from npm into $FORGE_CACHE).
 harnesses:
@@ -30,7 +34,7 @@ typecheck: env
 
 # Everything: lint, types, unit and integration tests (the integration tests start real vLLM servers).
 # pytest's exit 5 (nothing collected) is a failure here, said in words.
-test: lint typecheck model harnesses
+test: lint typecheck model harnesses system
 	@HF_HUB_OFFLINE=1 $(PY) -m pytest $(PYTEST_ARGS); code=$$?; \
 	  if [ $$code = 5 ]; then echo "make test: pytest collected no tests: that is a failure"; fi; exit $$code
 

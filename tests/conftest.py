@@ -93,6 +93,8 @@ def s3_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[S3Server]:
     for name, value in server.env.items():
         monkeypatch.setenv(name, value)
     server.start()
+    # moto keeps its buckets per process, across servers: start every test from an empty S3.
+    httpx.post(f"{server.endpoint}/moto-api/reset", timeout=10).raise_for_status()
     boto3.client("s3", endpoint_url=server.endpoint).create_bucket(Bucket=server.bucket)
     yield server
     server.stop()

@@ -242,8 +242,9 @@ def test_the_sidecars_own_connections_are_not_looped_back(pod):
     assert json.loads(done.stdout)["site"] == OTHER_HOST
     # A non-model path on a model host is opened, then sent on by the sidecar (uid 1337) to the real site,
     # whose certificate it verifies with --upstream-ca; that connection was not redirected back to itself.
-    got = json.loads(pod.client(["curl", "-sS", "--fail-with-body", f"https://{MODEL_HOST}/v1/models"]).stdout)
-    assert got == {"site": MODEL_HOST, "method": "GET", "path": "/v1/models"}
+    # (/v1/models is not such a path: the policy serves the model list.)
+    got = json.loads(pod.client(["curl", "-sS", "--fail-with-body", f"https://{MODEL_HOST}/v1/files"]).stdout)
+    assert got == {"site": MODEL_HOST, "method": "GET", "path": "/v1/files"}
     counters = pod.net.pod.run(["iptables", "-t", "nat", "-L", "FORGE_OUTPUT", "-v", "-x", "-n"]).stdout
     owner_rule = next(line for line in counters.splitlines() if f"owner UID match {PROXY_UID}" in line)
     assert int(owner_rule.split()[0]) > 0, counters
