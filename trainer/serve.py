@@ -219,7 +219,8 @@ def run_until_signalled(server: PolicyServer, echo=print) -> int:
     def on_signal(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, on_signal)
+    # Both signals explicitly: a process started in the background of a script inherits SIGINT ignored.
+    previous = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGTERM, signal.SIGINT)}
     try:
         server.start()
         echo(f"policy server ready: {server.openai_url} (model {server.name}; log {server.log_path})")
@@ -234,4 +235,5 @@ def run_until_signalled(server: PolicyServer, echo=print) -> int:
         server.stop()
         return 0
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
