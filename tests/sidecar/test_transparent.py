@@ -54,6 +54,7 @@ class TransparentPod:
     wal: Path
     client_home: Path
     upstream: str
+    code: Path  # a folder every uid can read holding the `sidecar` package and the client script
     sidecar: subprocess.Popen | None = None
 
     @property
@@ -70,6 +71,9 @@ class TransparentPod:
             "--ca-dir", str(self.ca_dir), "--upstream-ca", str(self.net.internet_ca), "--print-command",
         ]).stdout)  # fmt: skip
         assert "ssl_insecure" not in " ".join(args)
+        # uid 1337 runs the addon from a folder it can read, and mitmdump through no symlink inside the checkout.
+        args[0] = str(Path(args[0]).resolve())
+        args[args.index("-s") + 1] = str(self.code / "sidecar" / "addon.py")
         for path in (self.store, self.wal):
             shutil.chown(path, PROXY_UID, PROXY_UID)
             for child in path.rglob("*"):
@@ -113,11 +117,7 @@ class TransparentPod:
 
 @pytest.fixture(scope="module")
 def pod(policy_server) -> Iterator[TransparentPod]:
-    for needed in (
-        HERE.parent.parent / "sidecar",
-        HERE.parent.parent / ".venv-sidecar" / "bin",
-        Path(MAIN_SITE_PACKAGES),
-    ):
+    for needed in ((HERE.parent.parent / ".venv-sidecar" / "bin").resolve(), Path(MAIN_SITE_PACKAGES)):
         if blocked := closed_to_others(needed):
             pytest.fail(f"{blocked} is closed to other uids: the sidecar runs as uid {PROXY_UID}, clients as "
                         f"{CLIENT_UID}; check out (and build the envs) where every uid can read")  # fmt: skip
@@ -139,7 +139,7 @@ def pod(policy_server) -> Iterator[TransparentPod]:
         (net.work / "node-extra.pem").write_bytes((ca_dir / "mitmproxy-ca-cert.pem").read_bytes() + internet_ca)
         net.pod.run([FORGE, "net-init", "--proxy-uid", str(PROXY_UID), "--proxy-port", str(PROXY_PORT)])
         transparent = TransparentPod(
-            net, relay, ca_dir, store, wal, home, f"http://{relay.listen[0]}:{relay.listen[1]}"
+            net, relay, ca_dir, store, wal, home, f"http://{relay.listen[0]}:{relay.listen[1]}", readable_code(net.work)
         )
         transparent.start_sidecar()
         yield transparent
@@ -147,6 +147,20 @@ def pod(policy_server) -> Iterator[TransparentPod]:
     finally:
         relay.close()
         net.teardown()
+
+
+def readable_code(work: Path) -> Path:
+    """The checkout itself when every uid can enter it; else a copy of what the other uids run (CI may clone into
+    a folder only root can enter, e.g. under /root)."""
+    root = HERE.parent.parent
+    if closed_to_others(root / "sidecar") is None:
+        return root
+    code = work / "code"
+    shutil.copytree(root / "sidecar", code / "sidecar", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(HERE / "transparent_clients.py", code / "transparent_clients.py")
+    for path in [code, *code.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    return code
 
 
 def model_body(content: str) -> dict:
@@ -185,7 +199,7 @@ def run_client(pod: TransparentPod, client: str, content: str, other_path: str) 
         done = pod.client(["/usr/bin/node", "--input-type=module", "-e", NODE_CLIENT, content,
                            f"https://{OTHER_HOST}{other_path}"])  # fmt: skip
         return json.loads(done.stdout)
-    script = str(HERE / "transparent_clients.py")
+    script = str(pod.code / "transparent_clients.py")
     done = pod.client(["/usr/bin/python3", script, client, content, f"https://{OTHER_HOST}{other_path}"])
     return json.loads(done.stdout)
 
