@@ -30,15 +30,27 @@ class EventFramer:
         return rest
 
 
-def rewrite_event(raw: bytes, on_data: Callable[[str], str | None]) -> bytes | None:
-    """Run ``on_data`` over an event's data; keep its other fields; None drops the event."""
+def _split(raw: bytes) -> tuple[list[bytes], bytes, str | None]:
+    """An event's lines, its terminator, and its data (the ``data:`` lines joined; None without any)."""
     body = raw.rstrip(b"\r\n")
-    terminator = raw[len(body) :]
     lines = re.split(rb"\r\n|\n|\r", body)
     data_lines = [line for line in lines if line.startswith(b"data:")]
-    if not data_lines:
+    data = (
+        "\n".join(line[5:].removeprefix(b" ").decode("utf-8", "replace") for line in data_lines) if data_lines else None
+    )
+    return lines, raw[len(body) :], data
+
+
+def event_data(raw: bytes) -> str | None:
+    """The data of one complete event (None: it has no ``data:`` line)."""
+    return _split(raw)[2]
+
+
+def rewrite_event(raw: bytes, on_data: Callable[[str], str | None]) -> bytes | None:
+    """Run ``on_data`` over an event's data; keep its other fields; None drops the event."""
+    lines, terminator, data = _split(raw)
+    if data is None:
         return raw
-    data = "\n".join(line[5:].removeprefix(b" ").decode("utf-8", "replace") for line in data_lines)
     new = on_data(data)
     if new is None:
         return None

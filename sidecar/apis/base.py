@@ -6,14 +6,17 @@ Each module (``openai`` for Chat Completions and Completions, ``responses``, ``m
   and logprobs; the ``Additions`` say what was added (to take exactly that out again) and, where the call is
   served through another endpoint, which path (``upstream_path``).
 - ``finish(added, answer) -> (Sampled, answer)``: a whole answer in; its ids out, and the answer the harness gets.
-- ``StreamState(added)``: ``feed_event(raw)`` takes one complete SSE event and returns the events to send on now;
-  ``done`` is set when the answer is complete (the record is written before that event goes on); ``sampled``.
+- ``StreamState(added)`` (most are a ``DataStream``): ``feed_event(raw)`` takes one complete SSE event and returns
+  the events to send on now; ``done`` is set when the answer is complete (the record is written before that
+  event goes on); ``sampled``.
 """
 
 import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
+
+from sidecar.sse import rewrite_event
 
 
 @dataclass
@@ -36,10 +39,23 @@ def logprob(value: Any) -> float:
     return float(value) if value is not None else -math.inf
 
 
-def clear(obj: dict[str, Any], key: str, value: Any = None) -> None:
-    """Set a key vLLM added back to what it writes when not asked (it always writes these keys)."""
-    if key in obj:
+def clear(obj: dict[str, Any], key: str, value: Any = None) -> bool:
+    """Set a key vLLM added back to what it writes when not asked (it always writes these keys); True if changed."""
+    if key in obj and obj[key] != value:
         obj[key] = value
+        return True
+    return False
+
+
+class DataStream:
+    """A stream state whose events are rewritten one ``data:`` payload at a time, by ``on_event``."""
+
+    def on_event(self, data: str) -> str | None:
+        raise NotImplementedError
+
+    def feed_event(self, raw: bytes) -> list[bytes]:
+        out = rewrite_event(raw, self.on_event)
+        return [out] if out is not None else []
 
 
 def compact(obj: Any) -> str:

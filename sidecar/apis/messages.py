@@ -20,6 +20,7 @@ from typing import Any
 
 from sidecar.apis import openai
 from sidecar.apis.base import Sampled, compact
+from sidecar.sse import event_data
 
 PATHS = ("/v1/messages", "/messages")
 COUNT_TOKENS_PATHS = ("/v1/messages/count_tokens", "/messages/count_tokens")
@@ -280,9 +281,7 @@ class StreamState:
         return self.chat.events
 
     def feed_event(self, raw: bytes) -> list[bytes]:
-        data = b"\n".join(line[5:].removeprefix(b" ") for line in raw.splitlines() if line.startswith(b"data:")).decode(
-            "utf-8", "replace"
-        )
+        data = event_data(raw)
         if not data:
             return []
         try:

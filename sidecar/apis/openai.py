@@ -9,8 +9,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from sidecar.apis.base import Sampled, clear, compact, logprob
-from sidecar.sse import rewrite_event
+from sidecar.apis.base import DataStream, Sampled, clear, compact, logprob
 
 CHAT_PATHS = ("/v1/chat/completions", "/chat/completions")
 COMPLETIONS_PATHS = ("/v1/completions", "/completions")
@@ -100,7 +99,7 @@ def finish(added: Additions, answer: dict[str, Any]) -> tuple[Sampled, dict[str,
     return sampled, answer
 
 
-class StreamState:
+class StreamState(DataStream):
     """Gathers ids and logprobs from SSE chunks and strips them from each chunk on its way to the harness."""
 
     def __init__(self, added: Additions) -> None:
@@ -110,10 +109,6 @@ class StreamState:
         self.tool_calls: dict[int, dict[str, Any]] = {}
         self.done = False  # saw [DONE]
         self.events = 0
-
-    def feed_event(self, raw: bytes) -> list[bytes]:
-        out = rewrite_event(raw, self.on_event)
-        return [out] if out is not None else []
 
     def on_event(self, data: str) -> str | None:
         """One SSE ``data:`` payload in; the payload to send on (None: drop the event)."""

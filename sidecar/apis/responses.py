@@ -15,8 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from sidecar.apis.base import Sampled, clear, compact, logprob
-from sidecar.sse import rewrite_event
+from sidecar.apis.base import DataStream, Sampled, clear, compact, logprob
 
 PATHS = ("/v1/responses", "/responses")
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -48,21 +47,34 @@ def prepare_request(api: str, body: dict[str, Any]) -> Additions:
     return added
 
 
-def _strip_content(content: dict[str, Any], added: Additions) -> None:
+def _strip_content(content: dict[str, Any], added: Additions) -> bool:
+    """Hide the logprobs of a finished text part; True if it changed."""
     if not added.harness_logprobs and content.get("type") == "output_text" and content.get("logprobs"):
         content["logprobs"] = None
+        return True
+    return False
 
 
-def strip_response(response: dict[str, Any], added: Additions) -> None:
-    """Undo in a response object what ``prepare_request`` made vLLM add."""
+def _strip_holder(holder: dict[str, Any], added: Additions) -> bool:
+    """A text part, or an item holding parts; True if any changed."""
+    changed = _strip_content(holder, added)
+    for content in holder.get("content") or []:
+        changed = _strip_content(content, added) or changed
+    return changed
+
+
+def strip_response(response: dict[str, Any], added: Additions) -> bool:
+    """Undo in a response object what ``prepare_request`` made vLLM add; True if anything changed."""
+    changed = False
     if not added.harness_messages:
-        clear(response, "input_messages")
-        clear(response, "output_messages")
+        changed = clear(response, "input_messages") or changed
+        changed = clear(response, "output_messages") or changed
     if not added.harness_logprobs and not added.harness_top_logprobs:
-        clear(response, "top_logprobs")
+        changed = clear(response, "top_logprobs") or changed
     for item in response.get("output") or []:
-        for content in item.get("content") or [] if isinstance(item, dict) else []:
-            _strip_content(content, added)
+        if isinstance(item, dict):
+            changed = _strip_holder(item, added) or changed
+    return changed
 
 
 def sampled_from_response(response: dict[str, Any]) -> Sampled:
@@ -114,7 +126,7 @@ def finish(added: Additions, answer: dict[str, Any]) -> tuple[Sampled, dict[str,
     return sampled, answer
 
 
-class StreamState:
+class StreamState(DataStream):
     """Passes the event stream on live; takes the ids from ``response.completed`` and hides what was added."""
 
     def __init__(self, added: Additions) -> None:
@@ -125,10 +137,6 @@ class StreamState:
         self.items: list[dict[str, Any]] = []
         self.done = False  # saw the final response event
         self.events = 0
-
-    def feed_event(self, raw: bytes) -> list[bytes]:
-        out = rewrite_event(raw, self.on_event)
-        return [out] if out is not None else []
 
     def on_event(self, data: str) -> str | None:
         self.events += 1
@@ -154,18 +162,11 @@ class StreamState:
             if kind in ("response.completed", "response.incomplete", "response.failed"):
                 self.sampled = sampled_from_response(response)
                 self.done = True
-            before = compact(response)
-            strip_response(response, self.added)
-            changed = changed or compact(response) != before
+            changed = strip_response(response, self.added) or changed
         for key in ("part", "item"):
             holder = event.get(key)
             if isinstance(holder, dict):
-                before = compact(holder)
-                if holder.get("type") == "output_text":
-                    _strip_content(holder, self.added)
-                for content in holder.get("content") or []:
-                    _strip_content(content, self.added)
-                changed = changed or compact(holder) != before
+                changed = _strip_holder(holder, self.added) or changed
         return compact(event) if changed else data
 
     def summary(self) -> dict[str, Any]:

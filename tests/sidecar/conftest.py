@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from bench.fake_upstream import FakeUpstream
+from forge.paths import repo_root
 from trainer.serve import free_port
 
 FORGE = str(Path(sys.executable).parent / "forge")
@@ -161,3 +162,11 @@ def assert_sampled_by_vllm(vllm, model: str, call: dict) -> None:
         if not math.isnan(recorded)
     ]
     assert gaps and statistics.median(gaps) < 0.05 and max(gaps) < 0.5, gaps
+
+
+def installed_harness(name: str) -> str:
+    """The executable of a pinned real harness, installed once by scripts/harness.sh (`make harnesses`)."""
+    found = subprocess.run([str(repo_root() / "scripts" / "harness.sh"), name], capture_output=True, text=True)
+    if found.returncode != 0:
+        pytest.fail(f"cannot install {name} (`make harnesses`): {found.stderr.strip()}")
+    return found.stdout.strip()

@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from forge.paths import repo_root
-from tests.sidecar.conftest import assert_sampled_by_vllm, read_calls, wait_for
+from tests.sidecar.conftest import assert_sampled_by_vllm, installed_harness, read_calls, wait_for
 
 pytestmark = pytest.mark.integration
 CLAUDE_TIMEOUT_S = 420
@@ -24,10 +23,7 @@ MAX_COMPLETION_TOKENS = 64
 
 @pytest.fixture(scope="module")
 def claude() -> str:
-    found = subprocess.run([str(repo_root() / "scripts" / "harness.sh"), "claude-code"], capture_output=True, text=True)
-    if found.returncode != 0:
-        pytest.fail(f"cannot install Claude Code (`make harnesses`): {found.stderr.strip()}")
-    return found.stdout.strip()
+    return installed_harness("claude-code")
 
 
 def test_claude_code_runs_a_task_through_the_sidecar_and_every_call_is_exact(

@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from forge.paths import repo_root
-from tests.sidecar.conftest import assert_sampled_by_vllm, read_calls, wait_for
+from tests.sidecar.conftest import assert_sampled_by_vllm, installed_harness, read_calls, wait_for
 
 pytestmark = pytest.mark.integration
 CODEX_TIMEOUT_S = 420
@@ -25,10 +24,7 @@ MAX_COMPLETION_TOKENS = 96  # a rollout's response length: keeps a sampling 135M
 
 @pytest.fixture(scope="module")
 def codex() -> str:
-    found = subprocess.run([str(repo_root() / "scripts" / "harness.sh"), "codex"], capture_output=True, text=True)
-    if found.returncode != 0:
-        pytest.fail(f"cannot install Codex CLI (`make harnesses`): {found.stderr.strip()}")
-    return found.stdout.strip()
+    return installed_harness("codex")
 
 
 def codex_home(tmp_path: Path, sidecar_url: str) -> Path:
