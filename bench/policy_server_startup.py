@@ -1,4 +1,5 @@
-"""How long the policy server (vLLM CPU build, SmolLM2-135M bf16, eager) takes to answer, and a first call.
+"""How long the policy server (vLLM CPU build, SmolLM2-135M, eager; fp32 on CPUs without native bf16) takes to
+answer, and a first call.
 
 Run: .venv/bin/python bench/policy_server_startup.py [--runs 3]
 """
@@ -9,8 +10,7 @@ import time
 import click
 import httpx
 
-from trainer.model import prepared_model
-from trainer.serve import PolicyServer, free_port
+from trainer.serve import PolicyServer, default_checkpoint, default_dtype, free_port
 
 
 @click.command()
@@ -18,7 +18,7 @@ from trainer.serve import PolicyServer, free_port
 def main(runs: int) -> None:
     ready_s, first_call_s = [], []
     for _ in range(runs):
-        server = PolicyServer(model=prepared_model().serve_dir, port=free_port())
+        server = PolicyServer(model=default_checkpoint(default_dtype()), port=free_port())
         started = time.monotonic()
         with server:
             ready_s.append(time.monotonic() - started)

@@ -12,7 +12,7 @@ import pytest
 
 from forge.errors import ForgeError
 from trainer.model import PreparedModel, prepare
-from trainer.serve import PolicyServer, free_port
+from trainer.serve import PolicyServer, default_checkpoint, default_dtype, free_port
 
 VLLM_START_TIMEOUT_S = 300.0
 
@@ -35,9 +35,9 @@ def tokenizer(prepared_model: PreparedModel):
 
 @pytest.fixture(scope="session")
 def policy_server(prepared_model: PreparedModel, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PolicyServer]:
-    """A real vLLM (CPU build) server with SmolLM2-135M-Instruct, as `forge serve` starts it."""
+    """A real vLLM (CPU build) server with SmolLM2-135M-Instruct, as `forge serve` starts it (fp32 here)."""
     server = PolicyServer(
-        model=prepared_model.serve_dir, port=free_port(), max_model_len=16384,  # harness prompts run long
+        model=default_checkpoint(default_dtype()), port=free_port(), max_model_len=16384,  # harness prompts run long
         run_dir=tmp_path_factory.mktemp("vllm"), start_timeout=VLLM_START_TIMEOUT_S,
     )  # fmt: skip
     try:

@@ -6,7 +6,7 @@ from pathlib import Path
 import click
 
 from trainer import model as model_lib
-from trainer.serve import PolicyServer, run_until_signalled
+from trainer.serve import PolicyServer, default_checkpoint, default_dtype, run_until_signalled
 
 
 @click.group("model")
@@ -40,7 +40,17 @@ def path_command(dtype: str, cache: Path | None) -> None:
 
 
 @click.command("serve")
-@click.option("--model", type=click.Path(path_type=Path), help="HF checkpoint folder (default: the prepared bf16).")
+@click.option(
+    "--model",
+    type=click.Path(path_type=Path),
+    help="HF checkpoint folder (default: the prepared fp32 when serving fp32, else bf16).",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+    default=None,
+    help="vLLM's --dtype (default: float32 on CPUs without native bf16, else auto).",
+)
 @click.option("--port", type=int, default=8000, show_default=True)
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--max-model-len", type=int, default=4096, show_default=True)
@@ -50,7 +60,7 @@ def path_command(dtype: str, cache: Path | None) -> None:
 @click.option("--startup-timeout", type=float, default=300.0, show_default=True)
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
 def serve_command(
-    model: Path | None, port: int, host: str, max_model_len: int, served_model_name: str | None,
+    model: Path | None, dtype: str | None, port: int, host: str, max_model_len: int, served_model_name: str | None,
     kv_cache_gb: int, compile_: bool, startup_timeout: float, vllm_args: tuple[str, ...],
 ) -> None:  # fmt: skip
     """Start the policy server (vLLM) with token ids, logprobs, tools, LoRA and weight reloads.
@@ -58,8 +68,9 @@ def serve_command(
     Waits until it answers, prints its base URL, and stops it (engine included) on SIGINT/SIGTERM.
     Arguments after `--` go to vLLM unchanged, e.g. `forge serve -- --seed 1`.
     """
+    dtype = dtype or default_dtype()
     server = PolicyServer(
-        model=model or model_lib.prepared_model().serve_dir, port=port, host=host, max_model_len=max_model_len,
+        model=model or default_checkpoint(dtype), dtype=dtype, port=port, host=host, max_model_len=max_model_len,
         served_model_name=served_model_name, extra_args=list(vllm_args), kv_cache_gb=kv_cache_gb,
         enforce_eager=not compile_, start_timeout=startup_timeout,
     )  # fmt: skip

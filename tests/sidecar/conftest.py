@@ -21,6 +21,9 @@ from trainer.serve import free_port
 
 FORGE = str(Path(sys.executable).parent / "forge")
 START_TIMEOUT_S = 30.0
+# Teacher-forcing a harness prompt computes prompt logprobs over every prompt position (prefix cache off): a
+# 9k-token Claude Code prompt takes minutes on one CPU core.
+FORCED_TIMEOUT_S = 600.0
 
 
 @dataclass
@@ -146,14 +149,15 @@ def read_calls(store: str, where: str = "true", s3_endpoint: str | None = None) 
     return con.execute(f"SELECT * FROM calls WHERE {where} ORDER BY episode_id, seq").arrow().read_all().to_pylist()
 
 
-def assert_sampled_by_vllm(vllm, model: str, call: dict) -> None:
+def assert_sampled_by_vllm(vllm, policy_server, call: dict) -> None:
     """The completion ids of a sampled (not greedy) call are the ones vLLM sampled: teacher-forcing them after the
-    prompt gives vLLM's logprob of each equal to the recorded behaviour logprob. bf16 on CPU: a 10k-token
-    prefill and step-by-step decoding differ by a few hundredths of a nat; a wrong id differs by whole nats.
+    prompt gives vLLM's logprob of each equal to the recorded behaviour logprob. Served in fp32 (the default on this
+    CPU) prefill and step-by-step decoding agree within 2e-5 nat (measured on Codex and Claude Code calls); in bf16
+    within a few hundredths, with outliers of several nats. A wrong id differs by whole nats.
     (NaN: vLLM gave no logprob for that id; the record's note says so.)"""
     ids = call["completion_token_ids"]
-    forced = vllm.post("/v1/completions", json={
-        "model": model, "prompt": call["prompt_token_ids"] + ids, "max_tokens": 1, "prompt_logprobs": 0,
+    forced = vllm.post("/v1/completions", timeout=FORCED_TIMEOUT_S, json={
+        "model": policy_server.name, "prompt": call["prompt_token_ids"] + ids, "max_tokens": 1, "prompt_logprobs": 0,
         "temperature": 0,
     }).json()["choices"][0]["prompt_logprobs"][len(call["prompt_token_ids"]):]  # fmt: skip
     gaps = [
@@ -161,7 +165,8 @@ def assert_sampled_by_vllm(vllm, model: str, call: dict) -> None:
         for token, recorded, position in zip(ids, call["completion_logprobs"], forced, strict=True)
         if not math.isnan(recorded)
     ]
-    assert gaps and statistics.median(gaps) < 0.05 and max(gaps) < 0.5, gaps
+    median_limit, max_limit = (1e-3, 1e-2) if policy_server.dtype == "float32" else (0.05, 5.0)
+    assert gaps and statistics.median(gaps) < median_limit and max(gaps) < max_limit, gaps
 
 
 def installed_harness(name: str) -> str:

@@ -64,7 +64,7 @@ def test_claude_code_runs_a_task_through_the_sidecar_and_every_call_is_exact(
         if received.get("content") and not received.get("tool_calls"):
             decoded = tokenizer.decode(call["completion_token_ids"], skip_special_tokens=True)
             assert decoded.strip() == received["content"].strip()
-        assert_sampled_by_vllm(vllm, policy_server.name, call)
+        assert_sampled_by_vllm(vllm, policy_server, call)
     # One conversation: a later turn is stored as a reference to the earlier one, its whole prompt shared (the
     # billing line, different in every call, is normalised away).
     extending = [

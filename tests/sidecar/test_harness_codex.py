@@ -71,7 +71,7 @@ def test_codex_runs_a_task_through_the_sidecar_and_every_call_is_exact(
         received = json.loads(call["response_json"])
         if received.get("content"):
             assert tokenizer.decode(ids, skip_special_tokens=True).strip() == received["content"].strip()
-        assert_sampled_by_vllm(vllm, policy_server.name, call)
+        assert_sampled_by_vllm(vllm, policy_server, call)
 
     # Codex's installation id (in its home and in every request's metadata) is in no record or log.
     installation = (home / "installation_id").read_text().strip()

@@ -149,6 +149,9 @@ def pod(policy_server) -> Iterator[TransparentPod]:
         net.teardown()
 
 
+CLIENTS_SCRIPT = Path("tests/sidecar/transparent_clients.py")  # relative to the checkout, and to its copy
+
+
 def readable_code(work: Path) -> Path:
     """The checkout itself when every uid can enter it; else a copy of what the other uids run (CI may clone into
     a folder only root can enter, e.g. under /root)."""
@@ -157,7 +160,8 @@ def readable_code(work: Path) -> Path:
         return root
     code = work / "code"
     shutil.copytree(root / "sidecar", code / "sidecar", ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(HERE / "transparent_clients.py", code / "transparent_clients.py")
+    (code / CLIENTS_SCRIPT).parent.mkdir(parents=True)
+    shutil.copy(root / CLIENTS_SCRIPT, code / CLIENTS_SCRIPT)
     for path in [code, *code.rglob("*")]:
         path.chmod(0o755 if path.is_dir() else 0o644)
     return code
@@ -199,7 +203,7 @@ def run_client(pod: TransparentPod, client: str, content: str, other_path: str) 
         done = pod.client(["/usr/bin/node", "--input-type=module", "-e", NODE_CLIENT, content,
                            f"https://{OTHER_HOST}{other_path}"])  # fmt: skip
         return json.loads(done.stdout)
-    script = str(pod.code / "transparent_clients.py")
+    script = str(pod.code / CLIENTS_SCRIPT)
     done = pod.client(["/usr/bin/python3", script, client, content, f"https://{OTHER_HOST}{other_path}"])
     return json.loads(done.stdout)
 

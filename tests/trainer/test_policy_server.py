@@ -113,10 +113,10 @@ def test_a_tool_call_is_parsed_by_the_hermes_parser(vllm, policy_server, tokeniz
     assert "<tool_call>" in raw and "get_weather" in raw
 
 
-def test_reload_weights_from_the_prepared_checkpoint_keeps_serving(vllm, policy_server, prepared_model):
+def test_reload_weights_from_the_served_checkpoint_keeps_serving(vllm, policy_server):
     before = chat(vllm, policy_server, messages=QUESTION, max_tokens=8, return_token_ids=True)
     answer = vllm.post("/collective_rpc", json={
-        "method": "reload_weights", "kwargs": {"weights_path": str(prepared_model.serve_dir)},
+        "method": "reload_weights", "kwargs": {"weights_path": str(policy_server.model)},
     })  # fmt: skip
     assert answer.status_code == 200, answer.text
     version = vllm.post("/update_weight_version", json={"new_version": "7"})

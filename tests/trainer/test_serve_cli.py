@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.serve import PolicyServer, free_port
+from trainer.serve import NATIVE_BF16_FLAGS, PolicyServer, default_checkpoint, default_dtype, free_port
 
 FORGE = str(Path(sys.executable).parent / "forge")
 
@@ -39,6 +39,16 @@ def test_long_contexts_are_allowed_past_the_native_length(tmp_path):
     assert json.loads(overrides[overrides.index("--hf-overrides") + 1]) == {"max_position_embeddings": 16384}
     assert "--hf-overrides" not in PolicyServer(model=tmp_path, run_dir=tmp_path, max_model_len=4096).command()
     assert long["TMPDIR"].startswith(str(tmp_path)) and long["VLLM_SERVER_DEV_MODE"] == "1"
+
+
+def test_the_dtype_is_fp32_on_a_cpu_without_native_bf16_and_passed_to_vllm(tmp_path):
+    flags = set(Path("/proc/cpuinfo").read_text().split())
+    emulated_bf16 = not Path("/dev/nvidiactl").exists() and not flags & set(NATIVE_BF16_FLAGS)
+    assert default_dtype() == ("float32" if emulated_bf16 else "auto")
+    assert default_checkpoint("float32").name == "fp32" and default_checkpoint("auto").name == "bf16"
+    args = PolicyServer(model=tmp_path, dtype="float32").command()
+    assert args[args.index("--dtype") + 1] == "float32"
+    assert "--dtype" not in PolicyServer(model=tmp_path, dtype="auto").command()
 
 
 def test_a_missing_model_folder_fails_at_once_in_one_line(tmp_path):
