@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.sidecar_latency import wait_port
 from trainer.model import prepare
-from trainer.serve import PolicyServer, default_checkpoint, default_dtype, free_port
+from trainer.serve import PolicyServer, default_checkpoint, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 QUESTION = "Say hi in three words."
@@ -83,7 +83,7 @@ def main(pairs: int, upstream: str | None) -> None:
     server = None
     if upstream is None:
         prepare(log=lambda *_: None)
-        server = PolicyServer(model=default_checkpoint(default_dtype()), port=free_port(),
+        server = PolicyServer(model=default_checkpoint(), port=free_port(),
                               run_dir=Path(tempfile.mkdtemp(prefix="forge-bench-vllm-")))  # fmt: skip
         server.start()
         upstream = server.base_url.removesuffix("/v1")

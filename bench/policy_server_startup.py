@@ -10,7 +10,7 @@ import time
 import click
 import httpx
 
-from trainer.serve import PolicyServer, default_checkpoint, default_dtype, free_port
+from trainer.serve import PolicyServer, default_checkpoint, free_port
 
 
 @click.command()
@@ -18,7 +18,7 @@ from trainer.serve import PolicyServer, default_checkpoint, default_dtype, free_
 def main(runs: int) -> None:
     ready_s, first_call_s = [], []
     for _ in range(runs):
-        server = PolicyServer(model=default_checkpoint(default_dtype()), port=free_port())
+        server = PolicyServer(model=default_checkpoint(), port=free_port())
         started = time.monotonic()
         with server:
             ready_s.append(time.monotonic() - started)

@@ -12,7 +12,7 @@ import pytest
 
 from forge.errors import ForgeError
 from trainer.model import PreparedModel, prepare
-from trainer.serve import PolicyServer, default_checkpoint, default_dtype, free_port
+from trainer.serve import PolicyServer, default_checkpoint, free_port
 
 VLLM_START_TIMEOUT_S = 300.0
 
@@ -37,7 +37,7 @@ def tokenizer(prepared_model: PreparedModel):
 def policy_server(prepared_model: PreparedModel, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PolicyServer]:
     """A real vLLM (CPU build) server with SmolLM2-135M-Instruct, as `forge serve` starts it (fp32 here)."""
     server = PolicyServer(
-        model=default_checkpoint(default_dtype()), port=free_port(), max_model_len=16384,  # harness prompts run long
+        model=default_checkpoint(), port=free_port(), max_model_len=16384,  # harness prompts run long
         run_dir=tmp_path_factory.mktemp("vllm"), start_timeout=VLLM_START_TIMEOUT_S,
     )  # fmt: skip
     try:

@@ -47,10 +47,10 @@ def default_dtype() -> str:
     return "auto" if flags & set(NATIVE_BF16_FLAGS) else "float32"
 
 
-def default_checkpoint(dtype: str) -> Path:
-    """The prepared checkpoint for a serving dtype: fp32 weights for fp32 serving (no bf16 rounding), else bf16."""
-    prepared = prepared_model()
-    return prepared.train_dir if dtype == "float32" else prepared.serve_dir
+def default_checkpoint(dtype: str | None = None) -> Path:
+    """The prepared checkpoint for a serving dtype (default: ``default_dtype()``): fp32 weights for fp32 serving
+    (no bf16 rounding), else bf16."""
+    return prepared_model().dir_for("fp32" if (dtype or default_dtype()) == "float32" else "bf16")
 
 
 def policy_python() -> Path:
