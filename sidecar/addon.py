@@ -490,6 +490,7 @@ class Forge:
             "prompt_len": len(prompt) // 4 if prompt is not None else None,
             "completion_token_ids": completion,
             "completion_logprobs": pack_floats(sampled.logprobs) if sampled else None,
+            "n_unknown_logprobs": sum(1 for v in sampled.logprobs if v != v) if sampled else None,  # NaN != NaN
             "request_json": call.request_json, "response_json": response_json,
             "usage": json.dumps(sampled.usage) if sampled and sampled.usage else None,
             "harness": harness_from_user_agent(user_agent),

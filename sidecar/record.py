@@ -50,6 +50,8 @@ CALL_SCHEMA = pa.schema(
         pa.field("prompt_len", pa.int32()),
         pa.field("completion_token_ids", pa.list_(pa.int32())),
         pa.field("completion_logprobs", pa.list_(pa.float32())),
+        # Completion ids whose logprob the upstream did not give (NaN in completion_logprobs): counted, never hidden.
+        pa.field("n_unknown_logprobs", pa.int32()),
         pa.field("request_json", pa.string()),
         pa.field("response_json", pa.string()),
         pa.field("usage", pa.string()),

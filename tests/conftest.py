@@ -4,6 +4,7 @@ Each server binds a free loopback port, has a bounded start-up wait, shows its l
 and is stopped (its whole process group) at the end of the session.
 """
 
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -35,7 +36,14 @@ def tokenizer(prepared_model: PreparedModel):
 
 @pytest.fixture(scope="session")
 def policy_server(prepared_model: PreparedModel, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PolicyServer]:
-    """A real vLLM (CPU build) server with SmolLM2-135M-Instruct, as `forge serve` starts it (fp32 here)."""
+    """A real vLLM (CPU build) server with SmolLM2-135M-Instruct, as `forge serve` starts it (fp32 on a CPU).
+
+    For development only: ``FORGE_TEST_POLICY_PORT`` names a `forge serve --max-model-len 16384` already running on
+    that loopback port (several checkouts' test runs then share one server instead of 5 GB each); CI never sets it.
+    """
+    if port := os.environ.get("FORGE_TEST_POLICY_PORT"):
+        yield PolicyServer(model=default_checkpoint(), port=int(port), max_model_len=16384)
+        return
     server = PolicyServer(
         model=default_checkpoint(), port=free_port(), max_model_len=16384,  # harness prompts run long
         run_dir=tmp_path_factory.mktemp("vllm"), start_timeout=VLLM_START_TIMEOUT_S,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.serve import NATIVE_BF16_FLAGS, PolicyServer, default_checkpoint, default_dtype, free_port
+from trainer.serve import PolicyServer, default_checkpoint, default_dtype, free_port
 
 FORGE = str(Path(sys.executable).parent / "forge")
 
@@ -41,10 +41,9 @@ def test_long_contexts_are_allowed_past_the_native_length(tmp_path):
     assert long["TMPDIR"].startswith(str(tmp_path)) and long["VLLM_SERVER_DEV_MODE"] == "1"
 
 
-def test_the_dtype_is_fp32_on_a_cpu_without_native_bf16_and_passed_to_vllm(tmp_path):
-    flags = set(Path("/proc/cpuinfo").read_text().split())
-    emulated_bf16 = not Path("/dev/nvidiactl").exists() and not flags & set(NATIVE_BF16_FLAGS)
-    assert default_dtype() == ("float32" if emulated_bf16 else "auto")
+def test_the_dtype_is_fp32_on_every_cpu_native_bf16_or_not_and_passed_to_vllm(tmp_path):
+    # fp32 whatever the CPU's flags: on a machine with native bf16 the suite was flaky at the bf16 logprob bound.
+    assert default_dtype() == ("auto" if Path("/dev/nvidiactl").exists() else "float32")
     assert default_checkpoint("float32").name == "fp32" and default_checkpoint("auto").name == "bf16"
     args = PolicyServer(model=tmp_path, dtype="float32").command()
     assert args[args.index("--dtype") + 1] == "float32"
