@@ -116,8 +116,6 @@ def verify_in_pod(
     post_reward(
         env.get("FORGE_ADMIN_URL") or "http://127.0.0.1:15002", Path(token) if token else None, episode, verdict
     )
-    try:
-        TERMINATION_LOG.write_text(json.dumps(verdict.as_json()))
-    except OSError:
-        pass  # not in a pod: the verdict is printed anyway
+    with contextlib.suppress(OSError):  # not in a pod: the verdict is printed anyway
+        termination_log.write_text(json.dumps(verdict.as_json()))
     return verdict
