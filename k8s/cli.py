@@ -112,4 +112,110 @@ def sidecar_ready_command(port: int) -> None:
     raise ForgeError(f"the sidecar's admin endpoint on 127.0.0.1:{port} is not healthy")
 
 
-commands: list[click.Command] = [inject_group, sidecar_ready_command]
+@click.command("verify", hidden=True, context_settings={"ignore_unknown_options": True})
+@click.option("--timeout-s", type=float, default=600.0, show_default=True)
+@click.option("--termination-log", type=click.Path(path_type=Path), default=Path("/dev/termination-log"), hidden=True)
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+def verify_command(timeout_s: float, termination_log: Path, command: tuple[str, ...]) -> None:
+    """In a rollout pod: run the task's verifier, post its reward to the sidecar (with the reward token)."""
+    from k8s.verify import verify_in_pod
+
+    verdict = verify_in_pod(command, Path.cwd(), timeout_s, termination_log)
+    click.echo(json.dumps(verdict.as_json()))
+
+
+@click.command("rollout")
+@click.option(
+    "--tasks",
+    "tasks_file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    required=True,
+    help="JSONL, one task per line (README: 'Kubernetes').",
+)
+@click.option("--backend", type=click.Choice(["k8s", "local"]), default="local", show_default=True)
+@click.option("-G", "--group-size", type=int, default=1, show_default=True, help="Rollouts per task (GRPO's G).")
+@click.option("--concurrency", type=int, default=4, show_default=True, help="Rollouts running at once.")
+@click.option("--retries", type=int, default=2, show_default=True, help="More attempts for a rollout that failed.")
+@click.option("--run-id", default=None, help="[default: run-<time>]")
+@click.option("--results", type=click.Path(path_type=Path, dir_okay=False), help="Write one JSON line per rollout.")
+@click.option("--progress/--no-progress", default=None, help="[default: when stderr is a terminal]")
+@click.option("--upstream", default="http://127.0.0.1:8000", show_default=True, help="local: the policy server.")
+@click.option("--store", default="./forge-data", show_default=True, help="local: where calls and rewards go.")
+@click.option("--s3-endpoint", help="local: S3-compatible endpoint of the store.")
+@click.option(
+    "--workdir",
+    type=click.Path(path_type=Path, file_okay=False),
+    default=Path("forge-rollouts"),
+    show_default=True,
+    help="local: one folder per rollout below it (logs, the harness's files).",
+)
+@click.option("--no-sidecar", is_flag=True, help="local: run without a sidecar (nothing recorded but rewards).")
+@click.option("--namespace", default="openforge-rollouts", show_default=True, help="k8s: where the Jobs run.")
+@click.option("--image", default="python:3.12-slim", show_default=True, help="k8s: harness image by default.")
+@click.option("--verifier-image", default="openforge/sidecar:0.1.0", show_default=True, help="k8s: holds forge.")
+@click.option("--ttl", type=int, default=600, show_default=True, help="k8s: ttlSecondsAfterFinished of each Job.")
+@click.option("--queue", default="", help="k8s: Kueue LocalQueue name (label kueue.x-k8s.io/queue-name).")
+@click.option("--keep-jobs", is_flag=True, help="k8s: leave finished Jobs to their TTL instead of deleting them.")
+@click.option("--kubeconfig", help="k8s: kubeconfig file [default: in-cluster, then ~/.kube/config].")
+@click.option("--context", help="k8s: kubeconfig context.")
+def rollout_command(
+    tasks_file: Path, backend: str, group_size: int, concurrency: int, retries: int, run_id: str | None,
+    results: Path | None, progress: bool | None, upstream: str, store: str, s3_endpoint: str | None,
+    workdir: Path, no_sidecar: bool, namespace: str, image: str, verifier_image: str, ttl: int, queue: str,
+    keep_jobs: bool, kubeconfig: str | None, context: str | None,
+) -> None:  # fmt: skip
+    """Run G rollouts of every task (a Job each on Kubernetes, a process each locally) and summarise rewards."""
+    import time
+
+    from k8s import rollout as lib
+    from k8s.tasks import load_tasks
+
+    tasks = load_tasks(tasks_file)
+    if group_size < 1:
+        raise ForgeError("--group-size must be at least 1")
+    run = run_id or time.strftime("run-%Y%m%d-%H%M%S")
+    rollouts = lib.rollouts_for(tasks, group_size, run)
+    show = sys.stderr.isatty() if progress is None else progress
+    out = results.open("w") if results else None
+
+    def record(result: lib.RolloutResult) -> None:
+        if out:
+            out.write(json.dumps(result_json(result)) + "\n")
+            out.flush()
+
+    try:
+        if backend == "k8s":
+            from k8s.kube import KubernetesBackend, KubernetesSettings, load_client
+
+            settings = KubernetesSettings(namespace, image, verifier_image, ttl, queue, keep_jobs=keep_jobs)
+            kube = KubernetesBackend(settings, run, load_client(kubeconfig, context))
+            done = lib.orchestrate(rollouts, kube, concurrency, retries, record, show)
+        elif no_sidecar:
+            local = lib.LocalBackend(lib.LocalSettings(workdir / run, store))
+            done = lib.orchestrate(rollouts, local, concurrency, retries, record, show)
+        else:
+            from sidecar.ca import CaFiles
+
+            with lib.LocalSidecar(upstream, store, run, workdir / run / "sidecar", s3_endpoint) as sidecar:
+                trust = CaFiles(workdir / run / "sidecar" / "ca").trust_env()
+                settings_local = lib.LocalSettings(workdir / run, store, s3_endpoint, sidecar.url, trust)
+                done = lib.orchestrate(rollouts, lib.LocalBackend(settings_local), concurrency, retries, record, show)
+    finally:
+        if out:
+            out.close()
+    click.echo(f"run {run}: {len(tasks)} tasks x {group_size} rollouts ({backend})")
+    click.echo(lib.summary(done))
+    if not all(r.ok for r in done):
+        raise ForgeError(f"{sum(not r.ok for r in done)} of {len(done)} rollouts failed (reasons above)", exit_code=1)
+
+
+def result_json(result: Any) -> dict[str, Any]:
+    verdict = result.verdict
+    return {
+        "episode_id": result.rollout.episode_id, "task_id": result.rollout.task.id, "index": result.rollout.index,
+        "run_id": result.rollout.run_id, "ok": result.ok, "attempts": result.attempts, "reasons": result.reasons,
+        "reward": verdict.reward if verdict else None, "components": verdict.components if verdict else None,
+    }  # fmt: skip
+
+
+commands: list[click.Command] = [inject_group, rollout_command, verify_command, sidecar_ready_command]

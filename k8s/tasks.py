@@ -37,7 +37,7 @@ class Task:
     image: str = ""
     verifier_image: str = ""
     timeout_s: float = 600.0
-    env: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict, hash=False)  # rollouts are keyed by task: id and argv hash
 
 
 def _argv(value: Any, name: str) -> tuple[str, ...]:

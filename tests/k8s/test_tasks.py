@@ -1,0 +1,72 @@
+"""The tasks file of `forge rollout`: JSONL, and a bad line is named by its number."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from forge.errors import ForgeError
+from k8s.tasks import load_tasks
+from k8s.verify import verdict_from
+
+FORGE = str(Path(sys.executable).parent / "forge")
+
+
+def write(tmp_path: Path, *lines: str) -> Path:
+    path = tmp_path / "tasks.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_a_good_file_gives_its_tasks_with_string_commands_run_by_sh(tmp_path):
+    path = write(
+        tmp_path,
+        "# comments and blank lines are skipped",
+        "",
+        '{"id": "add-2-3", "prompt": "2+3?", "command": "python agent.py", "verifier": ["test", "-f", "a.txt"]}',
+        '{"id": "b", "command": ["true"], "verifier": "true", "timeout_s": 5, "env": {"K": "V"}, "image": "x:1"}',
+    )
+    first, second = load_tasks(path)
+    assert first.id == "add-2-3" and first.command == ("sh", "-c", "python agent.py") and first.prompt == "2+3?"
+    assert first.verifier == ("test", "-f", "a.txt") and first.timeout_s == 600
+    assert second.env == {"K": "V"} and second.image == "x:1" and second.timeout_s == 5
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("{not json", "tasks.jsonl:2: not JSON"),
+        ('{"id": "b", "verifier": "true"}', "tasks.jsonl:2: command must be"),
+        ('{"id": "b c", "command": "x", "verifier": "true"}', "tasks.jsonl:2: id 'b c'"),
+        ('{"id": "b", "command": "x", "verifier": "true", "timeout": 3}', "unknown field 'timeout'"),
+        ('{"id": "b", "command": "x", "verifier": "true", "timeout_s": -1}', "timeout_s must be a positive"),
+        ('{"id": "a", "command": "x", "verifier": "true"}', "tasks.jsonl:2: task id 'a' appears twice"),
+        ('["a"]', "tasks.jsonl:2: a task is a JSON object"),
+    ],
+)
+def test_a_bad_line_is_named(tmp_path, line, message):
+    path = write(tmp_path, '{"id": "a", "command": "x", "verifier": "true"}', line)
+    with pytest.raises(ForgeError, match=message.replace("(", r"\(")):
+        load_tasks(path)
+
+
+def test_the_cli_names_the_bad_line_in_one_line_without_a_traceback(tmp_path):
+    path = write(tmp_path, '{"id": "a", "command": "x", "verifier": "true"}', '{"id": "a"')
+    done = subprocess.run([FORGE, "rollout", "--tasks", str(path)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "tasks.jsonl:2: not JSON" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("exit_code", "stdout", "reward", "components"),
+    [
+        (0, "all good\n", 1.0, {}),
+        (3, "FAILED test_x\n", 0.0, {}),
+        (0, "ran\n0.25\n", 0.25, {}),
+        (1, 'ran\n{"reward": 0.5, "components": {"tests": 2}}\n', 0.5, {"tests": 2.0}),
+        (0, '{"reward": "high"}\n', 1.0, {}),  # not a number: the exit status decides
+    ],
+)
+def test_a_verdict_comes_from_the_exit_status_or_the_last_line(exit_code, stdout, reward, components):
+    verdict = verdict_from(exit_code, stdout)
+    assert verdict.reward == reward and verdict.components == components and verdict.exit_code == exit_code
