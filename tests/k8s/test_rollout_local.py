@@ -118,8 +118,8 @@ def test_concurrency_is_bounded_failures_are_retried_with_their_reason_and_summa
     table = summary(results)
     assert "flaky" in table and table.splitlines()[-1].split()[:5] == ["all", "6", "6", "0", "3"]
 
-    none_left = orchestrate(rollouts_for([flaky], 1, "r3"), FlakyBackend(LocalBackend(LocalSettings(tmp_path)), "flaky"),
-                            concurrency=1, retries=0)  # fmt: skip
+    always_lost = FlakyBackend(LocalBackend(LocalSettings(tmp_path)), "flaky")
+    none_left = orchestrate(rollouts_for([flaky], 1, "r3"), always_lost, concurrency=1, retries=0)
     assert not none_left[0].ok and none_left[0].reasons == ["node lost"]
     assert "r3.flaky.0: node lost" in summary(none_left)
 

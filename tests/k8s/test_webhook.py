@@ -90,8 +90,8 @@ def test_malformed_and_refused_requests_are_answered_and_the_server_lives_on(web
     assert review["response"]["allowed"] is False and "shareProcessNamespace" in review["response"]["status"]["message"]
     status, _ = post(webhook, secrets_dir, "/mutate", b"{}")
     assert status == 404
-    assert any("denied: openforge: shareProcessNamespace" in line for line in webhook.log_lines)  # type: ignore[attr-defined]
-    assert not any("python:3.12" in line for line in webhook.log_lines)  # type: ignore[attr-defined]
+    assert any("denied: openforge: shareProcessNamespace" in line for line in webhook.log_lines)
+    assert not any("python:3.12" in line for line in webhook.log_lines)
 
 
 def test_a_client_that_does_not_trust_the_webhook_ca_is_refused_the_handshake(webhook, secrets_dir, tmp_path):
