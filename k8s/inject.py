@@ -346,7 +346,14 @@ class Outcome:
 
     def apply(self, pod: dict[str, Any]) -> dict[str, Any]:
         """The pod after the patch (a new object)."""
-        return dict(jsonpatch.apply_patch(pod, self.operations))
+        return dict(jsonpatch.apply_patch(unaliased(pod), self.operations, in_place=True))
+
+
+def unaliased(obj: Any) -> Any:
+    """A copy sharing no list or mapping between two places (YAML anchors, or one Python list used twice, would
+    otherwise let a mount added to the verifier appear in the harness too); what the API server receives as JSON
+    never shares."""
+    return json.loads(json.dumps(obj))
 
 
 def admit(pod: dict[str, Any], namespace: str, namespace_label: str | None, settings: InjectorSettings) -> Outcome:
@@ -439,4 +446,4 @@ def render(obj: Any, namespace_label: str | None, settings: InjectorSettings) ->
     operations = [
         {**op, "path": _pointer(*TEMPLATE_PATHS[kind]) + op["path"]} for op in outcome.operations
     ]  # the template's patch, moved under the workload
-    return outcome, dict(jsonpatch.apply_patch(obj, operations))
+    return outcome, dict(jsonpatch.apply_patch(unaliased(obj), operations, in_place=True))

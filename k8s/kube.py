@@ -75,7 +75,8 @@ def job_manifest(attempt: Attempt, settings: KubernetesSettings) -> dict[str, An
     verifier = {
         "name": "verifier", "image": task.verifier_image or settings.verifier_image, "workingDir": WORKSPACE,
         "command": ["forge", "verify", "--timeout-s", str(int(task.timeout_s)), "--", *task.verifier],
-        "env": env, "volumeMounts": workspace, "terminationMessagePolicy": "File",
+        "env": [dict(e) for e in env], "volumeMounts": [dict(m) for m in workspace],
+        "terminationMessagePolicy": "File",
     }  # fmt: skip
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",

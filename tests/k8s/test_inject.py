@@ -15,6 +15,7 @@ from typing import Any
 import jsonpatch
 import kubernetes_validate
 import pytest
+import yaml
 
 from k8s import inject
 from k8s.settings import INJECTED, SKIPPED, InjectorSettings
@@ -231,3 +232,21 @@ def test_render_patches_a_workloads_pod_template_like_the_webhook_patches_the_po
     kubernetes_validate.validate(rendered, "1.33.0", strict=True)
     with pytest.raises(ValueError, match="kind 'Service' has no pod template"):
         inject.render({"kind": "Service"}, None, InjectorSettings())
+
+
+def test_yaml_anchors_shared_between_containers_do_not_carry_the_credential_to_the_harness():
+    pod = yaml.safe_load("""
+apiVersion: v1
+kind: Pod
+metadata: {name: p, annotations: {openforge.io/inject: enabled}}
+spec:
+  containers:
+  - {name: harness, image: h, volumeMounts: &mounts [{name: w, mountPath: /w}], env: &env [{name: A, value: b}]}
+  - {name: verifier, image: v, volumeMounts: *mounts, env: *env}
+  volumes: [{name: w, emptyDir: {}}]
+""")
+    _, rendered = inject.render(pod, None, InjectorSettings())
+    harness, verifier = rendered["spec"]["containers"]
+    assert [m["name"] for m in harness["volumeMounts"]] == ["w", inject.BUNDLE_VOLUME]
+    assert inject.REWARD_VOLUME in [m["name"] for m in verifier["volumeMounts"]]
+    assert "FORGE_REWARD_TOKEN_FILE" not in [e["name"] for e in harness["env"]]
