@@ -74,7 +74,7 @@ class FakeApiServer:
                 length = int(self.headers.get("content-length") or 0)
                 options = json.loads(self.rfile.read(length) or b"{}")
                 query = parse_qs(urlparse(self.path).query)
-                policy = options.get("propagationPolicy") or (query.get("propagationPolicy") or [None])[0]
+                policy = options.get("propagationPolicy") or next(iter(query.get("propagationPolicy") or []), None)
                 self.send(*server.delete_job(parts[-1], policy))
 
             def do_GET(self) -> None:

@@ -137,8 +137,8 @@ def test_an_unreachable_api_server_is_one_line(tmp_path):
     tasks.write_text(json.dumps({"id": "ok", "command": "true", "verifier": "true"}) + "\n")
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_text("apiVersion: v1\nkind: Config\nclusters: []\ncontexts: []\nusers: []\n")
-    done = subprocess.run([FORGE, "rollout", "--backend", "k8s", "--kubeconfig", str(kubeconfig), "--tasks", str(tasks)],
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    command = [FORGE, "rollout", "--backend", "k8s", "--kubeconfig", str(kubeconfig), "--tasks", str(tasks)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "Kubernetes configuration" in done.stderr
 
 
