@@ -3,8 +3,6 @@
 import json
 import signal
 import sys
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +12,7 @@ import yaml
 from forge.errors import ForgeError
 from k8s import certs as certs_lib
 from k8s.inject import InjectionRefused, render
+from k8s.pod import sidecar_ready_command, verify_command
 from k8s.settings import InjectorSettings
 
 SETTINGS_HELP = "YAML settings (the ConfigMap's settings.yaml) [default: built-in defaults]."
@@ -97,31 +96,6 @@ def certs_command(out: Path, service: str, namespace: str, force: bool) -> None:
     files = certs_lib.write_cluster_secrets(out, service, namespace, force)
     click.echo(f"forge inject: wrote {files.webhook}, {files.sidecar_ca} and {files.reward_token}", err=True)
     click.echo(base64.b64encode((files.webhook / "ca.crt").read_bytes()).decode())
-
-
-@click.command("sidecar-ready", hidden=True)
-@click.option("--port", type=int, default=15002, show_default=True)
-def sidecar_ready_command(port: int) -> None:
-    """Exit 0 when the sidecar's admin endpoint answers on loopback (the injected container's probes)."""
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as answer:
-            if answer.status == 200:
-                return
-    except (OSError, urllib.error.URLError) as error:
-        raise ForgeError(f"the sidecar's admin endpoint on 127.0.0.1:{port} does not answer: {error}") from error
-    raise ForgeError(f"the sidecar's admin endpoint on 127.0.0.1:{port} is not healthy")
-
-
-@click.command("verify", hidden=True, context_settings={"ignore_unknown_options": True})
-@click.option("--timeout-s", type=float, default=600.0, show_default=True)
-@click.option("--termination-log", type=click.Path(path_type=Path), default=Path("/dev/termination-log"), hidden=True)
-@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
-def verify_command(timeout_s: float, termination_log: Path, command: tuple[str, ...]) -> None:
-    """In a rollout pod: run the task's verifier, post its reward to the sidecar (with the reward token)."""
-    from k8s.verify import verify_in_pod
-
-    verdict = verify_in_pod(command, Path.cwd(), timeout_s, termination_log)
-    click.echo(json.dumps(verdict.as_json()))
 
 
 @click.command("rollout")
@@ -218,4 +192,5 @@ def result_json(result: Any) -> dict[str, Any]:
     }  # fmt: skip
 
 
+# `forge verify` and `forge sidecar-ready` run inside pods (k8s/pod.py); listed here (hidden) to try them locally.
 commands: list[click.Command] = [inject_group, rollout_command, verify_command, sidecar_ready_command]
