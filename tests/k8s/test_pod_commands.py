@@ -1,0 +1,153 @@
+"""The injected containers' commands, run as the sidecar image would run them: the sidecar environment's Python
+with only the files k8s/images/sidecar.Dockerfile copies (no Docker here: the same layout in a folder)."""
+
+import http.server
+import json
+import re
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+
+from k8s import inject
+from sidecar.ca import init_ca
+from k8s.settings import InjectorSettings
+
+ROOT = Path(__file__).resolve().parents[2]
+SIDECAR_PYTHON = ROOT / ".venv-sidecar" / "bin" / "python"
+
+
+@pytest.fixture(scope="module")
+def image_src(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """/opt/openforge/src as the Dockerfile lays it out: every `COPY <repo paths> /opt/openforge/src/<dir>/`."""
+    src = tmp_path_factory.mktemp("image") / "src"
+    dockerfile = (ROOT / "k8s/images/sidecar.Dockerfile").read_text()
+    for sources, target in re.findall(r"^COPY ((?:\S+ )+)/opt/openforge/src/(\S*)$", dockerfile, re.M):
+        for source in sources.split():
+            destination = src / target / (Path(source).name if target.endswith("/") else "")
+            if (ROOT / source).is_dir():
+                shutil.copytree(ROOT / source, destination, ignore=shutil.ignore_patterns("__pycache__"))
+            else:
+                destination.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(ROOT / source, destination)
+    assert (src / "k8s/pod.py").exists() and (src / "sidecar/addon.py").exists()
+    return src
+
+
+def pod_forge(image_src: Path, args: list[str], **kwargs) -> subprocess.CompletedProcess:
+    if not SIDECAR_PYTHON.exists():
+        pytest.fail("no sidecar environment: run `make env`")
+    env = {
+        "PYTHONPATH": str(image_src),
+        "FORGE_SIDECAR_VENV": str(SIDECAR_PYTHON.parent.parent),
+        "PATH": "/usr/bin:/bin",
+    }
+    return subprocess.run([str(SIDECAR_PYTHON), "-m", "k8s.pod", *args], capture_output=True, text=True, timeout=60,
+                          env=env, **kwargs)  # fmt: skip
+
+
+def test_the_net_init_container_prints_the_transparent_mode_rules(image_src):
+    container = inject.net_init_container(InjectorSettings(exclude_cidrs=("10.96.0.0/12",)))
+    assert container["command"] == ["forge"]
+    done = pod_forge(image_src, [*container["args"], "--dry-run"])
+    assert done.returncode == 0, done.stderr
+    assert "iptables -w -t nat -A FORGE_OUTPUT -m owner --uid-owner 1337 -j RETURN" in done.stdout
+    assert "--dports 80,443 -j REDIRECT --to-ports 15001" in done.stdout
+    assert "-d 10.96.0.0/12 -j RETURN" in done.stdout
+
+
+def test_the_ca_init_container_copies_the_secrets_ca_where_the_sidecar_reads_it(image_src, tmp_path):
+    from k8s.certs import write_cluster_secrets
+
+    secret = write_cluster_secrets(tmp_path / "certs").sidecar_ca
+    args = inject.ca_init_container(InjectorSettings())["args"]
+    args = [a.replace(inject.CA_SECRET_DIR, str(secret)).replace(inject.CA_DIR, str(tmp_path / "ca")) for a in args]
+    done = pod_forge(image_src, args)
+    assert done.returncode == 0, done.stderr
+    pem = (tmp_path / "ca/mitmproxy-ca.pem").read_bytes()
+    assert (secret / "tls.crt").read_bytes() in pem and b"PRIVATE KEY" in pem
+
+
+def test_the_sidecar_containers_arguments_are_the_sidecars_own_options(image_src, tmp_path):
+    args = inject.sidecar_container(InjectorSettings(s3_endpoint="http://minio:9000"))["args"]
+    local = [
+        a.replace(inject.WAL_DIR, str(tmp_path / "wal")).replace(inject.CA_DIR, str(tmp_path / "ca")) for a in args
+    ]
+    init_ca(tmp_path / "ca")  # what the CA init container leaves in the shared emptyDir
+    token_flag = local.index("--reward-token-file")
+    without_token = local[:token_flag] + local[token_flag + 2 :]
+    done = pod_forge(image_src, [*without_token, "--print-command"])
+    assert done.returncode == 0, done.stderr
+    mitmdump = json.loads(done.stdout)
+    assert "--mode" in mitmdump and mitmdump[mitmdump.index("--mode") + 1] == "transparent"
+    assert "forge_tls_passthrough=true" in mitmdump and "forge_s3_endpoint=http://minio:9000" in mitmdump
+    with_token = pod_forge(image_src, [*local, "--print-command"])
+    if "--reward-token-file" in with_token.stderr and "No such option" in with_token.stderr:
+        pytest.xfail("the sidecar's --reward-token-file lands with the reward-credential work (sidecar/admin.py)")
+    assert with_token.returncode == 0, with_token.stderr
+
+
+def test_the_probe_passes_only_while_the_admin_endpoint_answers(image_src):
+    class Healthz(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200 if self.path == "/healthz" else 404)
+            self.end_headers()
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Healthz)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = str(server.server_address[1])
+    probe = inject.sidecar_container(InjectorSettings())["readinessProbe"]["exec"]["command"]
+    assert probe[0] == "forge"
+    try:
+        assert pod_forge(image_src, [*probe[1:-1], port]).returncode == 0
+    finally:
+        server.shutdown()
+        server.server_close()
+    down = pod_forge(image_src, [*probe[1:-1], port])
+    assert down.returncode == 2 and "does not answer" in down.stderr
+
+
+def test_the_verifier_posts_its_reward_with_the_token_and_leaves_its_verdict(image_src, tmp_path):
+    received: list[tuple[str | None, dict]] = []
+
+    class Admin(http.server.BaseHTTPRequestHandler):
+        """Stands in for the sidecar's admin endpoint (its token check lands with the reward-credential work)."""
+
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+            received.append((self.headers.get("authorization"), body))
+            self.send_response(200)
+            self.send_header("content-length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Admin)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    (tmp_path / "token").write_text("s3cret-token\n")
+    (tmp_path / "answer.txt").write_text("5")
+    env = {"FORGE_ADMIN_URL": f"http://127.0.0.1:{server.server_address[1]}", "FORGE_EPISODE_ID": "run.add.0",
+           "FORGE_REWARD_TOKEN_FILE": str(tmp_path / "token")}  # fmt: skip
+    log = tmp_path / "termination-log"
+    try:
+        done = subprocess.run(
+            [str(SIDECAR_PYTHON), "-m", "k8s.pod", "verify", "--termination-log", str(log), "--",
+             "sh", "-c", 'test "$(cat answer.txt)" = 5 && echo \'{"reward": 1, "components": {"exact": 1}}\''],
+            capture_output=True, text=True, timeout=60, cwd=tmp_path,
+            env={"PYTHONPATH": str(image_src), "PATH": "/usr/bin:/bin", **env},
+        )  # fmt: skip
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert done.returncode == 0, done.stderr
+    assert received == [("Bearer s3cret-token", {"episode_id": "run.add.0", "reward": 1.0,
+                                                 "components": {"exact": 1.0}, "source": "verifier"})]  # fmt: skip
+    assert json.loads(log.read_text())["reward"] == 1.0
+    assert "s3cret-token" not in done.stdout + done.stderr
