@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from k8s import inject
-from sidecar.ca import init_ca
 from k8s.settings import InjectorSettings
+from sidecar.ca import init_ca
 
 ROOT = Path(__file__).resolve().parents[2]
 SIDECAR_PYTHON = ROOT / ".venv-sidecar" / "bin" / "python"

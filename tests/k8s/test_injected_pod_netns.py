@@ -1,0 +1,125 @@
+"""The injected containers' own commands, run in a network namespace the test makes (root; CI runs as root): the
+pod as the kubelet would start it, with the namespace helpers of the transparent-mode tests (tests/sidecar/netns.py).
+
+In start order: the CA init container's command (from a Secret written by `forge inject certs`), the net-init
+container's command (as root), the sidecar container's command (as uid 1337, its downward-API variables filled as
+the kubelet would), its probe; then an unmodified client (uid 4242, only the app containers' trust variables)
+calls https://api.openai.com and is served and recorded under the pod's episode. The policy is the fake
+vLLM-shaped upstream (bench/fake_upstream.py) behind the same relay the transparent tests use for vLLM: the
+token exactness of transparent mode is tested there, against real vLLM.
+"""
+
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from bench.fake_upstream import FakeUpstream
+from k8s import inject
+from k8s.certs import write_cluster_secrets
+from k8s.settings import InjectorSettings
+from tests.sidecar.conftest import read_calls, wait_for
+from tests.sidecar.netns import CLIENT_UID, PROXY_UID, Relay, build_pod_network, closed_to_others, root_cause, sh, stop
+from trainer.serve import free_port
+
+pytestmark = [pytest.mark.integration, pytest.mark.skipif(root_cause() is not None, reason=str(root_cause()))]
+ROOT = Path(__file__).resolve().parents[2]
+FORGE = str(Path(sys.executable).parent / "forge")
+MODEL_HOST = "api.openai.com"
+
+
+def in_work(args: list[str], work: Path) -> list[str]:
+    """The container's arguments with its volumes' mount paths moved into the test's folder."""
+    mounts = {inject.CA_DIR: work / "ca", inject.CA_SECRET_DIR: work / "secret", inject.WAL_DIR: work / "wal"}
+    for path, local in sorted(mounts.items(), key=lambda item: -len(item[0])):  # ca-secret before ca
+        args = [a.replace(path, str(local)) for a in args]
+    return args
+
+
+def test_the_injected_commands_make_a_recording_pod(tmp_path):
+    if blocked := closed_to_others((ROOT / ".venv-sidecar" / "bin").resolve()):
+        pytest.fail(f"{blocked} is closed to other uids: build the envs where uid {PROXY_UID} can read")
+    settings = InjectorSettings()
+    with FakeUpstream() as upstream:
+        net = build_pod_network([MODEL_HOST])
+        relay = Relay((net.root_address, free_port()), ("127.0.0.1", int(upstream.url.rsplit(":", 1)[1])))
+        sidecar = None
+        try:
+            relay.open()
+            work = net.work
+            secret = write_cluster_secrets(tmp_path / "certs").sidecar_ca
+            shutil.copytree(secret, work / "secret")
+            (work / "ca").mkdir()
+            (work / "wal").mkdir()
+            (work / "store").mkdir()
+            for path in (work / "ca", work / "wal", work / "store"):
+                shutil.chown(path, PROXY_UID, PROXY_UID)
+            (work / "secret").chmod(0o755)
+            for file in (work / "secret").iterdir():
+                file.chmod(0o444)  # the Secret volume's defaultMode
+
+            ca_init = in_work(inject.ca_init_container(settings)["args"], work)
+            net.pod.run([FORGE, *ca_init], uid=PROXY_UID, env={"PATH": "/usr/bin:/bin", "HOME": str(work / "wal")})
+            net_init = inject.net_init_container(settings)["args"]
+            net.pod.run([FORGE, *net_init])
+            rules = net.pod.run(["iptables-save", "-t", "nat"]).stdout
+            assert f"--uid-owner {PROXY_UID} -j RETURN" in rules and "--to-ports 15001" in rules
+
+            args = in_work(inject.sidecar_container(settings)["args"], work)
+            token_flag = args.index("--reward-token-file")  # the sidecar option lands with the integrity work
+            args = args[:token_flag] + args[token_flag + 2 :]
+            args[args.index("--upstream") + 1] = f"http://{relay.listen[0]}:{relay.listen[1]}"
+            args[args.index("--store") + 1] = str(work / "store")
+            command = json.loads(sh([FORGE, *args, "--flush-seconds", "0.3", "--print-command"]).stdout)
+            command[0] = str(Path(command[0]).resolve())  # no symlink into the checkout for uid 1337
+            code = readable_code(work)
+            command[command.index("-s") + 1] = str(code / "sidecar" / "addon.py")
+            downward_api = {
+                "FORGE_EPISODE_ID": "run9.add.0",
+                "FORGE_TASK_ID": "add",
+                "FORGE_RUN_ID": "run9",
+                "POD_NAME": "forge-run9-add-0",
+                "POD_UID": "0d3c",
+                "POD_NAMESPACE": "openforge-rollouts",
+            }
+            env = {"PATH": "/usr/bin:/bin", "HOME": str(work / "wal"), **downward_api}  # fmt: skip
+            sidecar = net.pod.popen(command, work / "sidecar.log", uid=PROXY_UID, env=env)
+
+            probe = inject.sidecar_container(settings)["startupProbe"]["exec"]["command"]
+            deadline = time.monotonic() + 30
+            while net.pod.run([FORGE, *probe[1:]], check=False).returncode != 0:
+                assert sidecar.poll() is None, (work / "sidecar.log").read_text()
+                assert time.monotonic() < deadline, "the sidecar never became ready"
+                time.sleep(0.3)
+
+            trust = {e["name"]: e["value"].replace(inject.BUNDLE_DIR, str(work / "ca")) for e in inject.trust_env()}
+            body = {"model": "gpt-4o", "messages": [{"role": "user", "content": "hello from a pod"}]}
+            done = net.pod.run(
+                ["curl", "-sS", "--fail-with-body", f"https://{MODEL_HOST}/v1/chat/completions",
+                 "-H", "content-type: application/json", "-d", json.dumps(body)],
+                uid=CLIENT_UID, env={"PATH": "/usr/bin:/bin", **trust},
+            )  # fmt: skip
+            assert json.loads(done.stdout)["choices"][0]["message"]["content"] == "SmolLAM"
+            (call,) = wait_for(lambda: read_calls(str(work / "store")), what="the pod's call record")
+            assert call["episode_id"] == "run9.add.0" and call["task_id"] == "add" and call["run_id"] == "run9"
+            assert call["host"] == MODEL_HOST and call["status"] == "ok"
+        finally:
+            if sidecar is not None:
+                stop(sidecar)
+            relay.close()
+            net.teardown()
+
+
+def readable_code(work: Path) -> Path:
+    """The checkout when uid 1337 can enter it; else a copy of the sidecar package it runs."""
+    if closed_to_others(ROOT / "sidecar") is None:
+        return ROOT
+    code = work / "code"
+    shutil.copytree(ROOT / "sidecar", code / "sidecar", ignore=shutil.ignore_patterns("__pycache__"))
+    for path in [code, *code.rglob("*")]:
+        os.chmod(path, 0o755 if path.is_dir() else 0o644)
+    return code
