@@ -1,9 +1,11 @@
-"""The injector as pure functions: should this pod be injected, the injected pod, the JSONPatch between them.
+"""The injector as pure functions: should this pod be injected, and the JSONPatch that does it.
 
-`decide` reads the pod, its namespace and the namespace's opt-in label; `inject` returns the new pod;
-`patch` is `jsonpatch.make_patch(pod, inject(pod))` (the library computes the operations and escapes the JSON
-pointers, e.g. `openforge.io/injected` → `openforge.io~1injected`). `review` answers an AdmissionReview with
-them. The HTTPS server (`k8s/webhook.py`) and `forge inject render` are thin shells around these.
+`decide` reads the pod, its namespace and the namespace's opt-in label; `admit` returns the decision and its
+operations: the injection (`inject_operations`), or one annotation saying why the pod was left alone. The
+operations are written out explicitly, as Linkerd's injector does, so a golden patch reads as what is added and
+where; JSON pointers are escaped by `jsonpointer` (`openforge.io/injected` → `openforge.io~1injected`) and every
+patch is applied with `jsonpatch` before it is sent. `review` answers an AdmissionReview; the HTTPS server
+(`k8s/webhook.py`) and `forge inject render` (`render`, for workloads' pod templates) are thin shells around them.
 
 What an injected pod gets, in start order (as Istio's native-sidecar mode does it):
 1. `openforge-net-init` (init container, root with NET_ADMIN/NET_RAW only, exits): `forge net-init`, the nat rules
