@@ -112,6 +112,22 @@ def _check_injectable(spec: dict[str, Any], settings: InjectorSettings, verifier
                 f"container {container.get('name')} is privileged: it could read the reward credential and "
                 "undo the iptables rules"
             )
+    # Traffic of the sidecar's uid/gid is not redirected, and NET_ADMIN could undo the rules: either would let the
+    # agent's calls leave unrecorded.
+    pod_context = spec.get("securityContext") or {}
+    for container in _containers(spec):
+        context = container.get("securityContext") or {}
+        for field, what in (("runAsUser", "uid"), ("runAsGroup", "gid")):
+            if context.get(field, pod_context.get(field)) == settings.proxy_uid:
+                raise InjectionRefused(
+                    f"container {container.get('name')} runs as {what} {settings.proxy_uid}, the sidecar's: its "
+                    "traffic would bypass the sidecar"
+                )
+        added = set((context.get("capabilities") or {}).get("add") or []) & {"NET_ADMIN", "SYS_ADMIN", "ALL"}
+        if added:
+            raise InjectionRefused(
+                f"container {container.get('name')} adds {sorted(added)[0]}: it could remove the iptables rules"
+            )
     for volume in spec.get("volumes") or []:
         if volume.get("name") in OUR_VOLUMES:
             raise InjectionRefused(f"the pod already has a volume named {volume['name']}: rename it")

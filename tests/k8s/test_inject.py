@@ -36,6 +36,8 @@ CASES: dict[str, str | None] = {
     "refused-share-process-namespace": "enabled",
     "refused-harness-mounts-reward-token": "enabled",
     "refused-volume-name-taken": "enabled",
+    "refused-app-runs-as-proxy-uid": "enabled",
+    "refused-app-adds-net-admin": "enabled",
 }
 KUBERNETES_VERSIONS = ("1.33.0", "1.37.0")  # native sidecars are GA from 1.33
 
@@ -178,6 +180,8 @@ def test_an_already_injected_pod_is_left_byte_for_byte():
         ("refused-share-process-namespace", "shareProcessNamespace"),
         ("refused-harness-mounts-reward-token", "container harness mounts the reward credential"),
         ("refused-volume-name-taken", "already has a volume named openforge-wal"),
+        ("refused-app-runs-as-proxy-uid", "container harness runs as uid 1337, the sidecar's"),
+        ("refused-app-adds-net-admin", "container harness adds NET_ADMIN"),
     ],
 )
 def test_a_pod_that_cannot_be_injected_safely_is_refused_with_the_reason(case, reason):
