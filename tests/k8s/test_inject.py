@@ -9,6 +9,8 @@ kubernetes-validate --strict, and the reward credential reaches the sidecar and 
 import base64
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -254,3 +256,29 @@ spec:
     assert [m["name"] for m in harness["volumeMounts"]] == ["w", inject.BUNDLE_VOLUME]
     assert inject.REWARD_VOLUME in [m["name"] for m in verifier["volumeMounts"]]
     assert "FORGE_REWARD_TOKEN_FILE" not in [e["name"] for e in harness["env"]]
+
+
+FORGE = str(Path(sys.executable).parent / "forge")
+
+
+def test_render_prints_the_injected_workload_and_refuses_in_one_line(tmp_path):
+    job: dict[str, Any] = {
+        "apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "j", "namespace": "rl"},
+        "spec": {"template": {"metadata": {"annotations": {"openforge.io/inject": "enabled"}},
+                              "spec": {"restartPolicy": "Never", "containers": [{"name": "verifier", "image": "v"}]}}},
+    }  # fmt: skip
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    done = subprocess.run([FORGE, "inject", "render", "-f", str(path), "-o", "json"], capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    rendered = json.loads(done.stdout)
+    kubernetes_validate.validate(rendered, "1.33.0", strict=True)
+    assert rendered["spec"]["template"]["metadata"]["annotations"][INJECTED]
+    assert "document 1: enabled by the pod annotation" in done.stderr
+
+    job["spec"]["template"]["spec"]["shareProcessNamespace"] = True
+    path.write_text(yaml.safe_dump(job))
+    refused = subprocess.run([FORGE, "inject", "render", "-f", str(path)], capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1
+    assert "document 1: shareProcessNamespace" in refused.stderr

@@ -18,6 +18,7 @@ from cryptography import x509
 from k8s.certs import SERVICE, service_names, write_cluster_secrets
 from k8s.settings import InjectorSettings
 from k8s.webhook import WebhookServer
+from trainer.serve import free_port
 
 GOLDEN = Path(__file__).parent / "golden"
 FORGE = str(Path(sys.executable).parent / "forge")
@@ -129,3 +130,31 @@ def test_serve_with_a_missing_certificate_fails_in_one_line(tmp_path):
     assert (
         done.returncode == 2 and done.stderr.count("\n") == 1 and "cannot load the serving certificate" in done.stderr
     )
+
+
+def test_forge_inject_serve_answers_on_https_and_stops_on_sigterm(secrets_dir):
+    import time
+
+    port = free_port()
+    server = subprocess.Popen(
+        [FORGE, "inject", "serve", "--host", "127.0.0.1", "--port", str(port), "--cert",
+         str(secrets_dir / "webhook/tls.crt"), "--key", str(secrets_dir / "webhook/tls.key")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        context = ssl.create_default_context(cafile=str(secrets_dir / "webhook/ca.crt"))
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                connection = ServiceConnection("127.0.0.1", port, context=context, timeout=5)
+                connection.request("GET", "/healthz")
+                assert json.loads(connection.getresponse().read()) == {"ok": True}
+                break
+            except ConnectionRefusedError:
+                assert server.poll() is None and time.monotonic() < deadline, (
+                    server.stderr.read() if server.stderr else ""
+                )
+                time.sleep(0.2)
+    finally:
+        server.terminate()
+        assert server.wait(timeout=10) == 0
