@@ -13,8 +13,11 @@ import contextlib
 import hashlib
 import json
 import re
+import time
 from dataclasses import dataclass
 from typing import Any
+
+import urllib3
 
 from forge.errors import ForgeError
 from k8s.rollout import Attempt, Outcome, Rollout
@@ -26,6 +29,7 @@ ROLLOUT_LABEL = "openforge.io/rollout"
 ATTEMPT_LABEL = "openforge.io/attempt"
 KUEUE_QUEUE = "kueue.x-k8s.io/queue-name"
 WORKSPACE = "/workspace"
+WATCH_RECONNECTS = 5
 
 
 @dataclass(frozen=True)
@@ -171,6 +175,9 @@ class KubernetesBackend:
         except ApiException as error:
             self.running.pop(name)
             raise ForgeError(f"cannot create Job {name}: {error.status} {error.reason}: {_message(error)}") from error
+        except (urllib3.exceptions.HTTPError, OSError) as error:
+            self.running.pop(name)
+            raise ForgeError(f"cannot reach the Kubernetes API server: {error}") from error
 
     def _stream(self) -> Any:
         from kubernetes import watch
@@ -184,6 +191,7 @@ class KubernetesBackend:
     def wait(self) -> tuple[Attempt, Outcome]:
         from kubernetes.client.exceptions import ApiException
 
+        broken = 0
         while True:
             if self.events is None:
                 self.events = self._stream()
@@ -197,6 +205,14 @@ class KubernetesBackend:
                     self.resource_version, self.events = None, None
                     continue
                 raise ForgeError(f"watching Jobs failed: {error.status} {error.reason}") from error
+            except (urllib3.exceptions.HTTPError, OSError) as error:  # a dropped connection: watch again, a few times
+                self.events = None
+                broken += 1
+                if broken > WATCH_RECONNECTS:
+                    raise ForgeError(f"lost the watch on Jobs {broken} times in a row: {error}") from error
+                time.sleep(min(2.0**broken, 30))
+                continue
+            broken = 0
             job = event["raw_object"] if "raw_object" in event else event["object"]
             if not isinstance(job, dict):
                 job = self.api_client.sanitize_for_serialization(job)

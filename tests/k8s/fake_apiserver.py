@@ -9,6 +9,8 @@ whose verifier left its verdict as termination message (what `forge verify` writ
 """
 
 import json
+import socket
+import sys
 import threading
 import time
 import uuid
@@ -29,6 +31,12 @@ def matches(labels: dict[str, str], selector: str) -> bool:
     return True
 
 
+class QuietServer(ThreadingHTTPServer):
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        if not isinstance(sys.exc_info()[1], ConnectionError):  # a client that hung up (the dropped watch's test)
+            super().handle_error(request, client_address)
+
+
 class FakeApiServer:
     def __init__(self, outcome: Callable[[dict[str, Any]], JobOutcome], run_s: float = 0.15) -> None:
         self.outcome = outcome
@@ -44,6 +52,7 @@ class FakeApiServer:
         self.max_active = 0
         self.watches = 0
         self.stopping = False
+        self.drop_watches = 0  # how many watch connections to break before serving one
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -92,6 +101,17 @@ class FakeApiServer:
                     self.send(404, {"kind": "Status", "code": 404, "message": f"not in the stand-in: {self.path}"})
 
             def watch(self, selector: str, since: str | None, timeout_s: float) -> None:
+                with server.lock:
+                    drop, server.drop_watches = server.drop_watches > 0, max(0, server.drop_watches - 1)
+                    server.watches += drop
+                if drop:  # a connection lost mid-stream: headers, then the socket closes with no end chunk
+                    self.send_response(200)
+                    self.send_header("transfer-encoding", "chunked")
+                    self.end_headers()
+                    self.wfile.flush()
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    self.close_connection = True
+                    return
                 self.send_response(200)
                 self.send_header("content-type", "application/json")
                 self.send_header("transfer-encoding", "chunked")
@@ -123,7 +143,7 @@ class FakeApiServer:
                 except (BrokenPipeError, ConnectionResetError):
                     pass
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd = QuietServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
 
     @property

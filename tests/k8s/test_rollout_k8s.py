@@ -18,6 +18,7 @@ from k8s.rollout import Attempt, Rollout, orchestrate, rollouts_for
 from k8s.settings import EPISODE, INJECT, RUN, TASK, InjectorSettings
 from k8s.tasks import Task
 from tests.k8s.fake_apiserver import FakeApiServer
+from trainer.serve import free_port
 
 FORGE = str(Path(sys.executable).parent / "forge")
 TASKS = [
@@ -154,3 +155,22 @@ def test_a_refused_job_creation_is_one_line(status):
         backend = KubernetesBackend(KubernetesSettings(), "r", api_client(server))
         with pytest.raises(ForgeError, match=f"cannot create Job .*: {status} .*jobs is forbidden"):
             orchestrate(rollouts_for(TASKS[:1], 1, "r"), backend, concurrency=1, retries=0)
+
+
+def test_a_dropped_watch_is_resumed():
+    with FakeApiServer(cluster) as server:
+        server.drop_watches = 1
+        backend = KubernetesBackend(KubernetesSettings(namespace="rl"), "run4", api_client(server))
+        results = orchestrate(rollouts_for(TASKS[:1], 2, "run4"), backend, concurrency=2, retries=0)
+    assert [r.verdict.reward for r in results if r.verdict] == [1.0, 1.0]
+    assert server.watches == 2 and not server.jobs
+
+
+def test_an_unreachable_api_server_is_one_error_not_a_traceback():
+    from forge.errors import ForgeError
+
+    configuration = client.Configuration()
+    configuration.host = f"http://127.0.0.1:{free_port()}"
+    backend = KubernetesBackend(KubernetesSettings(), "r", client.ApiClient(configuration))
+    with pytest.raises(ForgeError, match="cannot reach the Kubernetes API server"):
+        orchestrate(rollouts_for(TASKS[:1], 1, "r"), backend, concurrency=1, retries=0)
