@@ -148,13 +148,12 @@ def rollout_command(
     if group_size < 1:
         raise ForgeError("--group-size must be at least 1")
     run = run_id or time.strftime("run-%Y%m%d-%H%M%S")
-    rollouts = lib.rollouts_for(tasks, group_size, run)
     show = sys.stderr.isatty() if progress is None else progress
     out = results.open("w") if results else None
 
     def record(result: lib.RolloutResult) -> None:
         if out:
-            out.write(json.dumps(result_json(result)) + "\n")
+            out.write(json.dumps(result.as_json()) + "\n")
             out.flush()
 
     try:
@@ -163,17 +162,12 @@ def rollout_command(
 
             settings = KubernetesSettings(namespace, image, verifier_image, ttl, queue, keep_jobs=keep_jobs)
             kube = KubernetesBackend(settings, run, load_client(kubeconfig, context))
-            done = lib.orchestrate(rollouts, kube, concurrency, retries, record, show)
-        elif no_sidecar:
-            local = lib.LocalBackend(lib.LocalSettings(workdir / run, store))
-            done = lib.orchestrate(rollouts, local, concurrency, retries, record, show)
+            done = lib.orchestrate(lib.rollouts_for(tasks, group_size, run), kube, concurrency, retries, record, show)
         else:
-            from sidecar.ca import CaFiles
-
-            with lib.LocalSidecar(upstream, store, run, workdir / run / "sidecar", s3_endpoint) as sidecar:
-                trust = CaFiles(workdir / run / "sidecar" / "ca").trust_env()
-                settings_local = lib.LocalSettings(workdir / run, store, s3_endpoint, sidecar.url, trust)
-                done = lib.orchestrate(rollouts, lib.LocalBackend(settings_local), concurrency, retries, record, show)
+            done = lib.run_local(
+                tasks, group_size, run, workdir, store, None if no_sidecar else upstream, concurrency, retries,
+                s3_endpoint, record, show,
+            )  # fmt: skip
     finally:
         if out:
             out.close()
@@ -181,15 +175,6 @@ def rollout_command(
     click.echo(lib.summary(done))
     if not all(r.ok for r in done):
         raise ForgeError(f"{sum(not r.ok for r in done)} of {len(done)} rollouts failed (reasons above)", exit_code=1)
-
-
-def result_json(result: Any) -> dict[str, Any]:
-    verdict = result.verdict
-    return {
-        "episode_id": result.rollout.episode_id, "task_id": result.rollout.task.id, "index": result.rollout.index,
-        "run_id": result.rollout.run_id, "ok": result.ok, "attempts": result.attempts, "reasons": result.reasons,
-        "reward": verdict.reward if verdict else None, "components": verdict.components if verdict else None,
-    }  # fmt: skip
 
 
 # `forge verify` and `forge sidecar-ready` run inside pods (k8s/pod.py); listed here (hidden) to try them locally.

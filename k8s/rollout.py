@@ -66,6 +66,15 @@ class RolloutResult:
     def ok(self) -> bool:
         return self.verdict is not None
 
+    def as_json(self) -> dict[str, object]:
+        """One line of `forge rollout --results`."""
+        rollout, verdict = self.rollout, self.verdict
+        return {
+            "episode_id": rollout.episode_id, "task_id": rollout.task.id, "index": rollout.index,
+            "run_id": rollout.run_id, "ok": self.ok, "attempts": self.attempts, "reasons": self.reasons,
+            "reward": verdict.reward if verdict else None, "components": verdict.components if verdict else None,
+        }  # fmt: skip
+
 
 class Backend(Protocol):
     def start(self, attempt: Attempt) -> None: ...
@@ -307,3 +316,23 @@ class LocalSidecar:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def run_local(
+    tasks: list[Task], group_size: int, run_id: str, workdir: Path, store: str, upstream: str | None,
+    concurrency: int = 4, retries: int = 2, s3_endpoint: str | None = None,
+    on_result: Callable[[RolloutResult], None] | None = None, progress: bool = False,
+) -> list[RolloutResult]:  # fmt: skip
+    """The local backend whole: G rollouts of each task as processes behind one sidecar (none when `upstream` is
+    None: rewards only), rewards into `store`. What `forge rollout --backend local` and `forge demo` run."""
+    rollouts = rollouts_for(tasks, group_size, run_id)
+    folder = workdir / run_id
+    if upstream is None:
+        backend = LocalBackend(LocalSettings(folder, store, s3_endpoint))
+        return orchestrate(rollouts, backend, concurrency, retries, on_result, progress)
+    from sidecar.ca import CaFiles
+
+    with LocalSidecar(upstream, store, run_id, folder / "sidecar", s3_endpoint) as sidecar:
+        trust = CaFiles(folder / "sidecar" / "ca").trust_env()
+        backend = LocalBackend(LocalSettings(folder, store, s3_endpoint, sidecar.url, trust))
+        return orchestrate(rollouts, backend, concurrency, retries, on_result, progress)
