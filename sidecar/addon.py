@@ -19,6 +19,7 @@ Recording is fail-open: any exception in our code is logged and counted, and the
 """
 
 import asyncio
+import atexit
 import fnmatch
 import itertools
 import json
@@ -30,6 +31,7 @@ import time
 import urllib.request
 import uuid
 from dataclasses import dataclass, field
+from http.client import HTTPConnection, HTTPSConnection
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -45,7 +47,7 @@ from sidecar.apis.base import Sampled
 from sidecar.apis.errors import error_body, error_headers
 from sidecar.metrics import Metrics
 from sidecar.prefix import PrefixIndex
-from sidecar.record import harness_from_user_agent
+from sidecar.record import checked_row, harness_from_user_agent
 from sidecar.redact import (
     configured_secrets,
     redacted_json,
@@ -56,7 +58,7 @@ from sidecar.redact import (
 )
 from sidecar.sse import EventFramer
 from sidecar.store import open_store
-from sidecar.writer import RecordWriter, now_us, pack_floats, pack_ids, sidecar_identity
+from sidecar.writer import RecordWriter, now_us, pack_floats, pack_ids
 
 log = logging.getLogger("openforge.sidecar")
 EPISODE_HEADER = "x-forge-episode-id"
@@ -64,6 +66,12 @@ TASK_HEADER = "x-forge-task-id"
 HOP_SECRETS = ("authorization", "x-api-key", "api-key")  # the policy server needs none of the harness's keys
 DEFAULT_MODEL_HOSTS = "api.openai.com,api.anthropic.com"
 MAX_RECORDED_BODY = 4 << 20  # bodies bigger than this are recorded as a note, not copied
+VERSION_TIMEOUT_S = 1.0  # asking the policy server its weight version (loopback or in-cluster: about 1 ms)
+
+
+def _version_text(answer: Any) -> str | None:
+    version = answer.get("weight_version") if isinstance(answer, dict) else None
+    return None if version is None else str(version)
 
 
 @dataclass
@@ -82,6 +90,7 @@ class Call:
     model_requested: str | None = None
     request_json: str | None = None
     secrets: list[str] = field(default_factory=list)
+    policy_version: str | None = None  # the server's weight version just before the call was sent
     module: Any = None  # the wire API's module in sidecar.apis
     added: Any = None  # its Additions
     stream: Any = None  # its StreamState
@@ -96,11 +105,10 @@ class Forge:
     def __init__(self) -> None:
         self.metrics = Metrics()
         self.prefixes = PrefixIndex()
-        self.seq: dict[str, int] = {}
-        self.seq_lock = threading.Lock()
+        self.in_flight: dict[str, tuple[http.HTTPFlow, Call]] = {}  # calls begun, not yet recorded
         self.writer: RecordWriter | None = None
         self.admin: AdminServer | None = None
-        self.policy_version: str | None = None
+        self.policy_version: str | None = None  # fixed by --policy-version; else asked per call
         self.policy_model: str | None = None
         self.model_hosts: set[str] = set()
         self.model_map: list[tuple[str, str]] = []
@@ -132,6 +140,8 @@ class Forge:
         add("forge_flush_bytes", int, 64 << 20, "Close a WAL segment after this many bytes.")
         add("forge_flush_seconds", str, "5.0", "Close a WAL segment after this many seconds.")
         add("forge_max_wal_bytes", int, 4 << 30, "Bound of the WAL on disk; past it new records are dropped.")
+        add("forge_fsync", str, "interval", "When WAL commits reach the disk: always | interval (1 s) | never.")
+        add("forge_drain_seconds", str, "20", "On SIGTERM, wait this long for calls in flight before cutting them.")
         add("forge_tls_passthrough", bool, False, "Open TLS only for model hosts (by SNI); pass the rest through.")
 
     def running(self) -> None:
@@ -144,13 +154,12 @@ class Forge:
             for pattern, _, target in (p.partition("=") for p in o.forge_model_map.split(","))
         ]
         self.secrets = configured_secrets()
-        wal_dir = Path(o.forge_wal_dir)
-        self.sidecar_id = sidecar_identity(wal_dir)
         store = open_store(o.forge_store, o.forge_s3_endpoint or None)
         self.writer = RecordWriter(
-            wal_dir, store, self.sidecar_id, self.metrics, max_rows=o.forge_flush_rows, max_bytes=o.forge_flush_bytes,
-            max_age_s=float(o.forge_flush_seconds), max_disk_bytes=o.forge_max_wal_bytes,
+            Path(o.forge_wal_dir), store, self.metrics, max_rows=o.forge_flush_rows, max_bytes=o.forge_flush_bytes,
+            max_age_s=float(o.forge_flush_seconds), max_disk_bytes=o.forge_max_wal_bytes, fsync=o.forge_fsync,
         ).start()  # fmt: skip
+        self.sidecar_id = self.writer.sidecar_id
         self.policy_model = o.forge_policy_model or None
         self.policy_version = o.forge_policy_version or None
         threading.Thread(target=self._watch_policy, name="forge-policy", daemon=True).start()
@@ -158,25 +167,38 @@ class Forge:
             self.admin = AdminServer(("127.0.0.1", o.forge_admin_port), self.writer, self.metrics).start()
         log.info("OpenForge sidecar %s: upstream %s, store %s", self.sidecar_id, o.forge_upstream, store.uri)
 
-    def done(self) -> None:
-        """SIGTERM/SIGINT: flush everything to the store before exiting."""
+    async def done(self) -> None:
+        """SIGTERM/SIGINT: wait (bounded) for calls in flight, record the ones cut, flush everything, then exit.
+
+        mitmproxy awaits this hook with its event loop running, so calls in flight go on meanwhile. The bound
+        (``--drain-seconds``, default 20 s) plus the flush (at most 5 s) fits a pod's default 30 s grace period.
+        Records the store did not take stay in the WAL; the process then exits 3 and says so.
+        """
         self.stop.set()
+        deadline = time.monotonic() + float(ctx.options.forge_drain_seconds)
+        while self.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for flow, call in list(self.in_flight.values()):
+            try:
+                call.error = "cut at shutdown: the sidecar stopped before the answer was complete"
+                self._record(flow, call, status="truncated", sampled=call.stream.sampled if call.stream else None)
+            except Exception as error:
+                self._internal_error("shutdown", error)
         if self.admin:
             self.admin.stop()
-        if self.writer:
-            self.writer.close(timeout_s=15.0)
+        if self.writer and not self.writer.close(timeout_s=5.0):
+            log.error("%d records are still in the write-ahead log; the next start replays them",
+                      self.writer.pending())  # fmt: skip
+            atexit.register(os._exit, 3)  # after mitmproxy's own clean-up: a stop that leaves records is not clean
 
     def _watch_policy(self) -> None:
-        """Keep the served model name and the policy version current (the trainer bumps it on each publish)."""
+        """Keep the served model name current, and whether the policy server is up (the version is per call)."""
         base = f"{self.upstream.scheme}://{self.upstream.netloc}"
         while not self.stop.is_set():
             try:
                 if not ctx.options.forge_policy_model:
                     with urllib.request.urlopen(f"{base}/v1/models", timeout=2) as answer:
                         self.policy_model = json.load(answer)["data"][0]["id"]
-                if not ctx.options.forge_policy_version:
-                    with urllib.request.urlopen(f"{base}/weight_info", timeout=2) as answer:
-                        self.policy_version = str(json.load(answer).get("weight_version"))
                 self.metrics.set("upstream_up", 1)
             except Exception:
                 self.metrics.set("upstream_up", 0)
@@ -216,13 +238,15 @@ class Forge:
             return
         flow.metadata["forge_api"] = api
 
-    def request(self, flow: http.HTTPFlow) -> None:
+    async def request(self, flow: http.HTTPFlow) -> None:
         api = flow.metadata.get("forge_api")
         if api is None or flow.response is not None:
             return
         try:
             if api in apis.RECORDED:
                 self._begin(flow, api)
+                call: Call = flow.metadata["forge_call"]
+                call.policy_version = self.policy_version or await self._version_before()
             else:  # served by the policy, not a sampled call: routed, never recorded
                 self._strip_hop_secrets(flow)
                 self._route(flow)
@@ -293,9 +317,8 @@ class Forge:
 
     def _begin(self, flow: http.HTTPFlow, api: str) -> None:
         episode, task, run = self._identity(flow)
-        with self.seq_lock:
-            seq = self.seq.get(episode, 0)
-            self.seq[episode] = seq + 1
+        assert self.writer is not None
+        seq = self.writer.next_seq(episode)
         call = Call(
             call_id=f"{self.call_prefix}{next(self.call_numbers):08x}", api=api, episode_id=episode,
             task_id=task, run_id=run, seq=seq,
@@ -304,6 +327,7 @@ class Forge:
             host=flow.request.host_header or flow.request.pretty_host, path=flow.request.path.split("?", 1)[0],
         )  # fmt: skip
         flow.metadata["forge_call"] = call
+        self.in_flight[call.call_id] = (flow, call)
         self._strip_hop_secrets(flow)
         self._route(flow)
         try:
@@ -326,7 +350,8 @@ class Forge:
             if size <= MAX_RECORDED_BODY
             else json.dumps({"note": "request body too large to copy", "bytes": size})
         )
-        call.model_requested = body.get("model")
+        model = body.get("model")  # a harness may send any JSON here: a name that is not a string is kept as JSON
+        call.model_requested = model if isinstance(model, str) or model is None else json.dumps(model)
         served = self._served_model(call.model_requested)
         if served:
             body["model"] = served
@@ -373,6 +398,46 @@ class Forge:
             {"data": data, "has_more": False, "first_id": data[0]["id"] if data else None,
              "last_id": data[-1]["id"] if data else None}
         ).encode()  # fmt: skip
+
+    async def _version_before(self) -> str | None:
+        """The server's weight version now, asked for this call just before it is sent (None: not known)."""
+        upstream = self.upstream
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(
+                    upstream.hostname, upstream.port or (443 if upstream.scheme == "https" else 80),
+                    ssl=upstream.scheme == "https" or None,
+                ),
+                VERSION_TIMEOUT_S,
+            )  # fmt: skip
+            try:
+                request = f"GET /weight_info HTTP/1.1\r\nHost: {upstream.netloc}\r\nConnection: close\r\n\r\n"
+                writer.write(request.encode())
+                answer = await asyncio.wait_for(reader.read(), VERSION_TIMEOUT_S)
+            finally:
+                writer.close()
+            head, _, body = answer.partition(b"\r\n\r\n")
+            if not head.startswith(b"HTTP/1.1 200"):
+                return None
+            return _version_text(json.loads(body))
+        except (OSError, TimeoutError, ValueError):
+            return None
+
+    def _version_now(self, call: Call) -> str | None:
+        """The server's weight version as the call is recorded: a call that straddles a publish differs here."""
+        if self.policy_version or call.policy_version is None or self.stop.is_set():
+            return self.policy_version or None
+        upstream = self.upstream
+        kind = HTTPSConnection if upstream.scheme == "https" else HTTPConnection
+        connection = kind(upstream.hostname or "127.0.0.1", upstream.port, timeout=VERSION_TIMEOUT_S)
+        try:
+            connection.request("GET", "/weight_info")
+            answer = connection.getresponse()
+            return _version_text(json.loads(answer.read())) if answer.status == 200 else None
+        except (OSError, ValueError):
+            return None
+        finally:
+            connection.close()
 
     def _route(self, flow: http.HTTPFlow) -> None:
         upstream = self.upstream
@@ -457,6 +522,7 @@ class Forge:
         response_json: str | None = None,
     ) -> None:  # fmt: skip
         call.recorded = True
+        self.in_flight.pop(call.call_id, None)
         assert self.writer is not None
         if sampled is not None and status == "ok" and (sampled.prompt_ids is None or not sampled.completion_ids):
             status, call.error = "error", "the upstream returned no token ids"
@@ -480,7 +546,8 @@ class Forge:
             "host": call.host, "path": call.path,  # as the harness called them, before routing
             "model_requested": call.model_requested, "model_served": sampled.model if sampled else None,
             "response_id": sampled.response_id if sampled else None,
-            "policy_version": self.policy_version, "started_at": call.started_at,
+            "policy_version": call.policy_version, "policy_version_end": self._version_now(call),
+            "started_at": call.started_at,
             "first_token_at": call.first_token_at, "finished_at": now_us(), "status": status,
             "http_status": flow.response.status_code if flow.response else None,
             "finish_reason": sampled.finish_reason if sampled else None, "error": call.error,
@@ -497,7 +564,7 @@ class Forge:
             "user_agent": scrub_text(user_agent, call.secrets) if user_agent else None,
             "sidecar_id": self.sidecar_id, "sidecar_version": SIDECAR_VERSION,
         }  # fmt: skip
-        if self.writer.append("calls", row):
+        if self.writer.append("calls", checked_row("calls", row)):
             self.metrics.inc(f'calls_total{{status="{status}"}}')
 
     def _internal_error(self, where: str, error: Exception) -> None:

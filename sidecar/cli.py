@@ -94,6 +94,16 @@ def upstream_trust(confdir: Path, extra_cas: tuple[Path, ...]) -> dict[str, str]
 @click.option("--flush-seconds", type=float, default=5.0, show_default=True)
 @click.option("--flush-rows", type=int, default=2000, show_default=True)
 @click.option("--max-wal-bytes", type=int, default=4 << 30, show_default=True)
+@click.option("--fsync", type=click.Choice(["always", "interval", "never"]), default="interval", show_default=True,
+              help="When WAL commits reach the disk: every record (survives a machine crash), each second, or never "
+                   "(a process kill loses nothing either way).")  # fmt: skip
+@click.option(
+    "--drain-seconds",
+    type=float,
+    default=20.0,
+    show_default=True,
+    help="On SIGTERM, wait this long for calls in flight (then record them as cut) before flushing.",
+)
 @click.option("--max-completion-tokens", type=int, default=0, help="Bound every completion (rollout length); 0: off.")
 @click.option("--ca-dir", type=click.Path(path_type=Path, file_okay=False),
               help="The CA to sign model hosts with (`forge ca init --dir`) [default: WAL_DIR/mitmproxy].")  # fmt: skip
@@ -104,14 +114,16 @@ def sidecar_command(
     mode: str, listen_host: str | None, listen_port: int, upstream: str, store: str, s3_endpoint: str | None,
     wal_dir: Path | None, episode_id: str | None, task_id: str | None, run_id: str | None, admin_port: int,
     model_map: str, model_hosts: str, policy_version: str | None, flush_seconds: float, flush_rows: int,
-    max_wal_bytes: int, max_completion_tokens: int, ca_dir: Path | None, upstream_ca: tuple[Path, ...],
+    max_wal_bytes: int, fsync: str, drain_seconds: float, max_completion_tokens: int, ca_dir: Path | None,
+    upstream_ca: tuple[Path, ...],
     print_command: bool,
 ) -> None:  # fmt: skip
     """Run the capture sidecar: serve model calls from the policy and record them token by token.
 
     Model calls (Chat Completions, Completions, Responses, Anthropic Messages to a model host, or to any host
     in reverse mode) go to --upstream with token ids and logprobs requested, and are recorded to --store;
-    everything else passes through untouched and unrecorded. SIGTERM flushes all records before exiting.
+    everything else passes through untouched and unrecorded. SIGTERM waits up to --drain-seconds for calls in
+    flight and flushes every record before exiting; it exits 3 when records had to stay in the WAL.
 
     --mode transparent (behind `forge net-init`): the original destination comes from the redirect; TLS is
     opened only for model hosts (by SNI, certificates from --ca-dir), everything else passes through untouched.
@@ -136,6 +148,7 @@ def sidecar_command(
         {"task_id": task_id, "run_id": run_id, "admin_port": admin_port or None, "model_map": model_map,
          "model_hosts": model_hosts, "policy_version": policy_version, "s3_endpoint": s3_endpoint,
          "flush_seconds": flush_seconds, "flush_rows": flush_rows, "max_wal_bytes": max_wal_bytes,
+         "fsync": fsync, "drain_seconds": drain_seconds,
          "max_completion_tokens": max_completion_tokens or None,
          "tls_passthrough": "true" if transparent else None},
         upstream_trust(wal if ca_dir else confdir, upstream_ca),
