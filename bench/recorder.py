@@ -97,8 +97,8 @@ def main() -> None:
             drive(addon, flow)
         assert addon.writer is not None and addon.writer.close(60)  # the flush is part of the cost
         wall, cpu = time.perf_counter() - started_wall, time.process_time() - started_cpu
-    print(f"recorder (--fsync {args.fsync}): {len(flows)} calls with 4,000-token prompts in {wall:.2f} s wall / {cpu:.2f} s CPU "
-          f"= {len(flows) / wall:,.0f} calls/s ({len(flows) / cpu:,.0f} per CPU-second)")  # fmt: skip
+    print(f"recorder (--fsync {args.fsync}): {len(flows)} calls with 4,000-token prompts in {wall:.2f} s wall / "
+          f"{cpu:.2f} s CPU = {len(flows) / wall:,.0f} calls/s ({len(flows) / cpu:,.0f} per CPU-second)")  # fmt: skip
     stored = [pq.read_table(p) for p in (work / "store").rglob("*.parquet")]
     assert sum(t.num_rows for t in stored) == len(flows), "not every call was stored"
 
