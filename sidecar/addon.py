@@ -492,10 +492,16 @@ class Forge:
     ) -> None:  # fmt: skip
         call.recorded = True
         assert self.writer is not None
+        if sampled is not None and sampled.upstream_error and status in ("ok", "truncated"):
+            status, call.error = "upstream_error", scrub_text(sampled.upstream_error, call.secrets)
         if sampled is not None and status == "ok" and (sampled.prompt_ids is None or not sampled.completion_ids):
             status, call.error = "error", "the upstream returned no token ids"
         if status == "ok" and getattr(call.stream, "gather_error", None):
             status, call.error = "error", f"ids not gathered: {call.stream.gather_error}"
+        if sampled is not None and (problem := sampled.problem()):  # -inf/misaligned logprobs: never silent
+            status, call.error = (
+                ("error", problem) if status == "ok" else (status, "; ".join(filter(None, [call.error, problem])))
+            )
         if sampled is not None and sampled.n_choices > 1:
             call.error = f"n={sampled.n_choices}: only choice 0 is recorded"
         prompt = pack_ids(sampled.prompt_ids) if sampled and sampled.prompt_ids is not None else None
