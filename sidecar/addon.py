@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # mitmdump load
 
 from sidecar import __version__ as SIDECAR_VERSION
 from sidecar import apis, transparent
-from sidecar.admin import AdminServer
+from sidecar.admin import DEFAULT_TOKEN_FILE, AdminServer, TokenFileError, create_token_file, read_token_file
 from sidecar.apis.base import Sampled
 from sidecar.apis.errors import error_body, error_headers
 from sidecar.metrics import Metrics
@@ -115,6 +115,7 @@ class Forge:
         self.upstream = urlparse("http://127.0.0.1:8000")
         self.sidecar_id = ""
         self.secrets: list[str] = []
+        self.pod_episode: str | None = None  # the pod's identity (downward API), when the sidecar runs in one
         self.stop = threading.Event()
         # Call ids: a random prefix per process + a counter (uuid4 per call costs a urandom syscall).
         self.call_prefix = uuid.uuid4().hex[:16]
@@ -136,6 +137,10 @@ class Forge:
         add("forge_model_hosts", str, DEFAULT_MODEL_HOSTS, "Comma-separated hosts whose model paths are taken.")
         add("forge_max_completion_tokens", int, 0, "Bound every completion to this many tokens (0: as asked).")
         add("forge_admin_port", int, 0, "Loopback port of the admin endpoint (POST /reward, GET /metrics); 0: off.")
+        add("forge_reward_token_file", str, "", "File holding the bearer token POST /reward needs (default: a new "
+            "random one, mode 0600, in the WAL folder).")  # fmt: skip
+        add("forge_trust_episode_header", bool, False, "In a pod (POD_UID or FORGE_EPISODE_ID set), let a client's "
+            "x-forge-episode-id/x-forge-task-id header or proxy user name choose its episode.")  # fmt: skip
         add("forge_flush_rows", int, 2000, "Close a WAL segment after this many records.")
         add("forge_flush_bytes", int, 64 << 20, "Close a WAL segment after this many bytes.")
         add("forge_flush_seconds", str, "5.0", "Close a WAL segment after this many seconds.")
@@ -163,9 +168,27 @@ class Forge:
         self.policy_model = o.forge_policy_model or None
         self.policy_version = o.forge_policy_version or None
         threading.Thread(target=self._watch_policy, name="forge-policy", daemon=True).start()
+        self.pod_episode = os.environ.get("FORGE_EPISODE_ID") or os.environ.get("POD_UID") or None
         if o.forge_admin_port:
-            self.admin = AdminServer(("127.0.0.1", o.forge_admin_port), self.writer, self.metrics).start()
+            try:
+                token = self._reward_token(Path(o.forge_wal_dir))
+            except (TokenFileError, OSError) as error:
+                log.error("%s: the sidecar stops (POST /reward would take no reward)", error)
+                ctx.master.shutdown()
+                return
+            self.secrets.append(token)  # scrubbed should a harness ever send it (it cannot read it in a pod)
+            self.admin = AdminServer(("127.0.0.1", o.forge_admin_port), self.writer, self.metrics, token).start()
         log.info("OpenForge sidecar %s: upstream %s, store %s", self.sidecar_id, o.forge_upstream, store.uri)
+
+    def _reward_token(self, wal_dir: Path) -> str:
+        """The token POST /reward needs: from --reward-token-file, or a new random one in the WAL folder (its path
+        is logged, never its value)."""
+        if ctx.options.forge_reward_token_file:
+            return read_token_file(Path(ctx.options.forge_reward_token_file))
+        path = wal_dir / DEFAULT_TOKEN_FILE
+        token = create_token_file(path)
+        log.warning("reward token (POST /reward needs Authorization: Bearer <token>) written to %s", path.resolve())
+        return token
 
     async def done(self) -> None:
         """SIGTERM/SIGINT: wait (bounded) for calls in flight, record the ones cut, flush everything, then exit.
@@ -301,17 +324,28 @@ class Forge:
         return apis.api_for(flow.request.method, flow.request.path)
 
     def _identity(self, flow: http.HTTPFlow) -> tuple[str, str | None, str]:
+        """Episode, task and run of a call. The operator's flags come first. In a pod (POD_UID or FORGE_EPISODE_ID
+        from the downward API) the pod's identity comes next and what a client says (header, proxy user name) is
+        ignored and counted, unless --trust-episode-header: the agent runs shell commands in that pod."""
         o = ctx.options
         proxy_user = (flow.metadata.get("proxyauth") or (None,))[0]
-        episode = (
-            o.forge_episode_id
-            or proxy_user
-            or flow.request.headers.get(EPISODE_HEADER)
-            or os.environ.get("FORGE_EPISODE_ID")
-            or os.environ.get("POD_UID")
-            or f"{self.sidecar_id}-default"
-        )
-        task = o.forge_task_id or flow.request.headers.get(TASK_HEADER) or os.environ.get("FORGE_TASK_ID") or None
+        claimed_episode = proxy_user or flow.request.headers.get(EPISODE_HEADER)
+        claimed_task = flow.request.headers.get(TASK_HEADER)
+        pod_task = os.environ.get("FORGE_TASK_ID")
+        if self.pod_episode and not o.forge_trust_episode_header:
+            episode = o.forge_episode_id or self.pod_episode
+            task = o.forge_task_id or pod_task or None
+            if (claimed_episode and claimed_episode != episode) or (claimed_task and claimed_task != task):
+                self.metrics.inc("episode_relabel_refused_total")
+                if self.metrics.get("episode_relabel_refused_total") == 1:
+                    log.warning(
+                        "a client named another episode or task than the pod's (%s): ignored, counted in "
+                        "episode_relabel_refused_total (--trust-episode-header allows it)",
+                        episode,
+                    )
+        else:
+            episode = o.forge_episode_id or claimed_episode or self.pod_episode or f"{self.sidecar_id}-default"
+            task = o.forge_task_id or claimed_task or pod_task or None
         run = o.forge_run_id or os.environ.get("FORGE_RUN_ID") or "default"
         return episode, task, run
 
@@ -524,10 +558,16 @@ class Forge:
         call.recorded = True
         self.in_flight.pop(call.call_id, None)
         assert self.writer is not None
+        if sampled is not None and sampled.upstream_error and status in ("ok", "truncated"):
+            status, call.error = "upstream_error", scrub_text(sampled.upstream_error, call.secrets)
         if sampled is not None and status == "ok" and (sampled.prompt_ids is None or not sampled.completion_ids):
             status, call.error = "error", "the upstream returned no token ids"
         if status == "ok" and getattr(call.stream, "gather_error", None):
             status, call.error = "error", f"ids not gathered: {call.stream.gather_error}"
+        if sampled is not None and (problem := sampled.problem()):  # -inf/misaligned logprobs: never silent
+            status, call.error = (
+                ("error", problem) if status == "ok" else (status, "; ".join(filter(None, [call.error, problem])))
+            )
         if sampled is not None and sampled.n_choices > 1:
             call.error = f"n={sampled.n_choices}: only choice 0 is recorded"
         prompt = pack_ids(sampled.prompt_ids) if sampled and sampled.prompt_ids is not None else None
