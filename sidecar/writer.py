@@ -51,13 +51,16 @@ MAX_EPISODE_COUNTERS = 100_000  # seq counters kept; the least recently used bey
 # The id columns travel as packed little-endian bytes and become list arrays without a Python loop.
 ID_COLUMNS = {"prompt_suffix_ids": "i", "completion_token_ids": "i", "completion_logprobs": "f"}
 _BLOBS = tuple(ID_COLUMNS)
+_TEXTS = ("request_json", "response_json")  # big strings get columns of their own: not escaped into the JSON
+_RAW = (*_BLOBS, *_TEXTS)
 TIME_COLUMNS = ("started_at", "first_token_at", "finished_at", "at")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS records (
     id INTEGER PRIMARY KEY AUTOINCREMENT, tbl TEXT NOT NULL, size INTEGER NOT NULL, logged_at REAL NOT NULL,
-    fields TEXT NOT NULL, prompt_suffix_ids BLOB, completion_token_ids BLOB, completion_logprobs BLOB);
+    fields TEXT NOT NULL, prompt_suffix_ids BLOB, completion_token_ids BLOB, completion_logprobs BLOB,
+    request_json TEXT, response_json TEXT);
 CREATE TABLE IF NOT EXISTS batches (
     number INTEGER PRIMARY KEY AUTOINCREMENT, tbl TEXT NOT NULL, first_id INTEGER NOT NULL, last_id INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS episodes (episode_id TEXT PRIMARY KEY, next_seq INTEGER NOT NULL, touched REAL NOT NULL);
@@ -182,10 +185,10 @@ class RecordWriter:
     # -- writing ----------------------------------------------------------------------------------------------
     def append(self, table: str, row: dict[str, Any]) -> bool:
         """Log one record durably. False (and a metric) when the disk bound is reached: the record is dropped."""
-        fields = {k: v for k, v in row.items() if k not in ID_COLUMNS}
+        fields = {k: v for k, v in row.items() if k not in _RAW}
         text = json.dumps(fields, ensure_ascii=False, separators=(",", ":"), default=str)
-        blobs = [row.get(name) for name in _BLOBS]
-        size = len(text) + sum(len(b) for b in blobs if b)
+        raw = [row.get(name) for name in _BLOBS] + [_text_or_none(row.get(name)) for name in _TEXTS]
+        size = len(text) + sum(len(value) for value in raw if value)
         with self.lock:
             if self.pending_bytes + size > self.max_disk_bytes:
                 self.metrics.inc("records_dropped_total")
@@ -198,9 +201,8 @@ class RecordWriter:
                     )
                 return False
             self.db.execute(
-                "INSERT INTO records (tbl, size, logged_at, fields, prompt_suffix_ids, completion_token_ids, "
-                "completion_logprobs) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (table, size, time.time(), text, *blobs),
+                f"INSERT INTO records (tbl, size, logged_at, fields, {', '.join(_RAW)}) VALUES ({', '.join('?' * 9)})",
+                (table, size, time.time(), text, *raw),
             )
             self.pending_bytes += size
         self.metrics.inc(f'records_logged_total{{table="{table}"}}')
@@ -293,11 +295,10 @@ class RecordWriter:
     def _read_batch(self, table: str, first: int, last: int) -> list[dict[str, Any]]:
         with self.lock:
             found = self.db.execute(
-                "SELECT fields, prompt_suffix_ids, completion_token_ids, completion_logprobs FROM records "
-                "WHERE tbl = ? AND id BETWEEN ? AND ? ORDER BY id",
+                f"SELECT fields, {', '.join(_RAW)} FROM records WHERE tbl = ? AND id BETWEEN ? AND ? ORDER BY id",
                 (table, first, last),
             ).fetchall()
-        return [{**json.loads(fields), **dict(zip(_BLOBS, blobs, strict=True))} for fields, *blobs in found]
+        return [{**json.loads(fields), **dict(zip(_RAW, raw, strict=True))} for fields, *raw in found]
 
     def _flush_batch(self, number: int, table: str, first: int, last: int) -> None:
         rows = self._read_batch(table, first, last)
@@ -383,6 +384,10 @@ def pending_records(wal_dir: Path) -> int:
         return int(db.execute("SELECT COUNT(*) FROM records").fetchone()[0])
     finally:
         db.close()
+
+
+def _text_or_none(value: Any) -> str | None:
+    return value if isinstance(value, str) or value is None else json.dumps(value, default=str)
 
 
 def _jsonable(row: dict[str, Any]) -> dict[str, Any]:
