@@ -30,6 +30,7 @@ import threading
 import time
 import urllib.request
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from http.client import HTTPConnection, HTTPSConnection
 from pathlib import Path
@@ -66,7 +67,7 @@ TASK_HEADER = "x-forge-task-id"
 HOP_SECRETS = ("authorization", "x-api-key", "api-key")  # the policy server needs none of the harness's keys
 DEFAULT_MODEL_HOSTS = "api.openai.com,api.anthropic.com"
 MAX_RECORDED_BODY = 4 << 20  # bodies bigger than this are recorded as a note, not copied
-VERSION_TIMEOUT_S = 1.0  # asking the policy server its weight version (loopback or in-cluster: about 1 ms)
+VERSION_TIMEOUT_S = 2.0  # asking the policy server its weight version (idle: about 1 ms; busy: one engine step)
 
 
 def _version_text(answer: Any) -> str | None:
@@ -106,6 +107,7 @@ class Forge:
         self.metrics = Metrics()
         self.prefixes = PrefixIndex()
         self.in_flight: dict[str, tuple[http.HTTPFlow, Call]] = {}  # calls begun, not yet recorded
+        self.probes = ThreadPoolExecutor(2, thread_name_prefix="forge-version")
         self.writer: RecordWriter | None = None
         self.admin: AdminServer | None = None
         self.policy_version: str | None = None  # fixed by --policy-version; else asked per call
@@ -457,21 +459,23 @@ class Forge:
         except (OSError, TimeoutError, ValueError):
             return None
 
-    def _version_now(self, call: Call) -> str | None:
-        """The server's weight version as the call is recorded: a call that straddles a publish differs here."""
-        if self.policy_version or call.policy_version is None or self.stop.is_set():
-            return self.policy_version or None
+    def _complete_version(self, row_id: int) -> None:
+        """In a worker thread: the server's weight version now, after the call; a call that straddles a publish
+        differs here from its ``policy_version``."""
         upstream = self.upstream
         kind = HTTPSConnection if upstream.scheme == "https" else HTTPConnection
         connection = kind(upstream.hostname or "127.0.0.1", upstream.port, timeout=VERSION_TIMEOUT_S)
+        version = None
         try:
             connection.request("GET", "/weight_info")
             answer = connection.getresponse()
-            return _version_text(json.loads(answer.read())) if answer.status == 200 else None
+            version = _version_text(json.loads(answer.read())) if answer.status == 200 else None
         except (OSError, ValueError):
-            return None
+            pass
         finally:
             connection.close()
+        assert self.writer is not None
+        self.writer.complete(row_id, {"policy_version_end": version})
 
     def _route(self, flow: http.HTTPFlow) -> None:
         upstream = self.upstream
@@ -586,7 +590,7 @@ class Forge:
             "host": call.host, "path": call.path,  # as the harness called them, before routing
             "model_requested": call.model_requested, "model_served": sampled.model if sampled else None,
             "response_id": sampled.response_id if sampled else None,
-            "policy_version": call.policy_version, "policy_version_end": self._version_now(call),
+            "policy_version": call.policy_version, "policy_version_end": self.policy_version or None,
             "started_at": call.started_at,
             "first_token_at": call.first_token_at, "finished_at": now_us(), "status": status,
             "http_status": flow.response.status_code if flow.response else None,
@@ -604,8 +608,14 @@ class Forge:
             "user_agent": scrub_text(user_agent, call.secrets) if user_agent else None,
             "sidecar_id": self.sidecar_id, "sidecar_version": SIDECAR_VERSION,
         }  # fmt: skip
-        if self.writer.append("calls", checked_row("calls", row)):
+        # The version as the call ends is asked off the event loop (vLLM answers between engine steps): the row
+        # is logged now and held in the WAL until the answer completes it (at most writer.HOLD_S).
+        probe = call.policy_version is not None and not self.policy_version
+        row_id = self.writer.append("calls", checked_row("calls", row), hold=probe)
+        if row_id is not None:
             self.metrics.inc(f'calls_total{{status="{status}"}}')
+            if probe:
+                self.probes.submit(self._complete_version, row_id)
 
     def _internal_error(self, where: str, error: Exception) -> None:
         self.metrics.inc("internal_errors_total")

@@ -159,7 +159,7 @@ class AdminServer:
                 except (RewardError, ValueError) as error:
                     self.reply(400, {"error": str(error)})
                     return
-                if not writer.append("rewards", row):
+                if writer.append("rewards", row) is None:
                     self.reply(503, {"error": "the write-ahead log is full; reward not recorded"})
                     return
                 metrics.inc("rewards_total")

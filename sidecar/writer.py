@@ -47,6 +47,7 @@ log = logging.getLogger("openforge.sidecar")
 WAL_FILE = "wal.sqlite"
 FSYNC_POLICIES = {"always": "FULL", "interval": "NORMAL", "never": "OFF"}
 CHECKPOINT_INTERVAL_S = 1.0
+HOLD_S = 3.0  # the longest a row waits for a value still to come (``complete``) before it is batched without it
 MAX_EPISODE_COUNTERS = 100_000  # seq counters kept; the least recently used beyond this are forgotten
 # The id columns travel as packed little-endian bytes and become list arrays without a Python loop.
 ID_COLUMNS = {"prompt_suffix_ids": "i", "completion_token_ids": "i", "completion_logprobs": "f"}
@@ -146,6 +147,7 @@ class RecordWriter:
         self.backoff_until = 0.0
         self.backoff_s = 0.5
         self.last_checkpoint = time.monotonic()
+        self.held: dict[int, float] = {}  # row id -> until when it waits for ``complete``
         self.thread = threading.Thread(target=self._run, name="forge-flusher", daemon=True)
         wal_dir.mkdir(parents=True, exist_ok=True)
         self.db = open_wal(wal_dir, fsync)
@@ -183,8 +185,10 @@ class RecordWriter:
         return int(seq)
 
     # -- writing ----------------------------------------------------------------------------------------------
-    def append(self, table: str, row: dict[str, Any]) -> bool:
-        """Log one record durably. False (and a metric) when the disk bound is reached: the record is dropped."""
+    def append(self, table: str, row: dict[str, Any], hold: bool = False) -> int | None:
+        """Log one record durably; its WAL row id, or None (and a metric) when the disk bound is reached: the
+        record is dropped. ``hold``: a value of the record is still to come (``complete``); the row waits for it,
+        at most ``HOLD_S``, before it goes into a batch."""
         fields = {k: v for k, v in row.items() if k not in _RAW}
         text = json.dumps(fields, ensure_ascii=False, separators=(",", ":"), default=str)
         raw = [row.get(name) for name in _BLOBS] + [_text_or_none(row.get(name)) for name in _TEXTS]
@@ -199,14 +203,31 @@ class RecordWriter:
                         self.pending_bytes,
                         self.max_disk_bytes,
                     )
-                return False
-            self.db.execute(
-                f"INSERT INTO records (tbl, size, logged_at, fields, {', '.join(_RAW)}) VALUES ({', '.join('?' * 9)})",
-                (table, size, time.time(), text, *raw),
+                return None
+            row_id = int(
+                self.db.execute(
+                    f"INSERT INTO records (tbl, size, logged_at, fields, {', '.join(_RAW)}) "
+                    f"VALUES ({', '.join('?' * 9)})",
+                    (table, size, time.time(), text, *raw),
+                ).lastrowid
+                or 0
             )
             self.pending_bytes += size
+            if hold:
+                self.held[row_id] = time.monotonic() + HOLD_S
         self.metrics.inc(f'records_logged_total{{table="{table}"}}')
-        return True
+        return row_id
+
+    def complete(self, row_id: int, values: dict[str, Any]) -> None:
+        """Set values of a held row (e.g. the weight version asked after the call) and release it."""
+        with self.lock:
+            if self.held.pop(row_id, None) is None:
+                self.metrics.inc("records_completed_late_total")  # already batched: the values stay unknown
+                return
+            found = self.db.execute("SELECT fields FROM records WHERE id = ?", (row_id,)).fetchone()
+            if found:
+                fields = {**json.loads(found[0]), **values}
+                self.db.execute("UPDATE records SET fields = ? WHERE id = ?", (json.dumps(fields, default=str), row_id))
 
     def pending(self) -> int:
         """Records not yet in the store."""
@@ -247,11 +268,17 @@ class RecordWriter:
         """Close the pending rows of each table into batches: by rows, bytes or age (``everything``: all now)."""
         with self.lock:
             for (table,) in self.db.execute("SELECT DISTINCT tbl FROM records").fetchall():
+                now = time.monotonic()
+                for row_id in [r for r, until in self.held.items() if until <= now or everything]:
+                    del self.held[row_id]  # its value never came: it goes on without it
+                    self.metrics.inc("records_hold_expired_total")
+                below = min(self.held, default=1 << 62)  # rows stay in order: nothing at or past a held row
                 while True:
                     after = int(self._meta_locked(f"batched:{table}") or 0)
                     rows = self.db.execute(
-                        "SELECT id, size, logged_at FROM records WHERE tbl = ? AND id > ? ORDER BY id LIMIT ?",
-                        (table, after, self.max_rows),
+                        "SELECT id, size, logged_at FROM records WHERE tbl = ? AND id > ? AND id < ? ORDER BY id "
+                        "LIMIT ?",
+                        (table, after, below, self.max_rows),
                     ).fetchall()
                     if not rows:
                         break
@@ -351,6 +378,8 @@ class RecordWriter:
         if self.thread.is_alive():
             self.thread.join(timeout=5.0)
         deadline = time.monotonic() + timeout_s
+        while self.held and time.monotonic() < min(deadline, time.monotonic() + HOLD_S):  # values on their way
+            time.sleep(0.02)
         done = False
         while True:
             self.cut_batches(everything=True)

@@ -176,8 +176,8 @@ def test_a_row_that_cannot_be_converted_is_quarantined_and_the_others_go_on(tmp_
 def test_past_the_disk_bound_records_are_dropped_and_counted(tmp_path):
     writer, _ = make_writer(tmp_path, max_disk_bytes=600)
     results = [writer.append("calls", row(n)) for n in range(20)]
-    assert results[0] and not results[-1]
-    assert writer.metrics.get("records_dropped_total") == results.count(False) > 0
+    assert results[0] is not None and results[-1] is None
+    assert writer.metrics.get("records_dropped_total") == results.count(None) > 0
 
 
 json_values = st.recursive(
@@ -287,3 +287,28 @@ def test_secrets_are_found_in_headers_and_scrubbed_from_bodies():
 
 def test_packed_ids_round_trip():
     assert array("i", pack_ids([1, -2, 2**31 - 1])).tolist() == [1, -2, 2**31 - 1]
+
+
+def test_a_held_row_waits_for_its_late_value_and_the_rows_after_it_keep_their_order(tmp_path):
+    writer, store = make_writer(tmp_path, max_age_s=0.0)
+    held = writer.append("calls", row(0), hold=True)
+    writer.append("calls", row(1))
+    writer.cut_batches()
+    assert writer.flush_batches() and stored_call_ids(store) == []  # nothing at or past the held row goes
+    assert held is not None
+    writer.complete(held, {"policy_version_end": "7"})
+    writer.cut_batches()
+    assert writer.flush_batches() and stored_call_ids(store) == ["c0", "c1"]
+    table = open_store(store).read_table("calls")
+    assert table is not None and table.column("policy_version_end").to_pylist() == ["7", None]
+    writer.complete(held, {"policy_version_end": "8"})  # too late: counted, nothing changes
+    assert writer.metrics.get("records_completed_late_total") == 1
+
+
+def test_a_held_row_whose_value_never_comes_goes_on_after_the_hold(tmp_path, monkeypatch):
+    monkeypatch.setattr("sidecar.writer.HOLD_S", 0.0)
+    writer, store = make_writer(tmp_path, max_age_s=0.0)
+    writer.append("calls", row(0), hold=True)
+    writer.cut_batches()
+    assert writer.flush_batches() and stored_call_ids(store) == ["c0"]
+    assert writer.metrics.get("records_hold_expired_total") == 1
