@@ -48,7 +48,7 @@ from sidecar.apis.base import Sampled
 from sidecar.apis.errors import error_body, error_headers
 from sidecar.metrics import Metrics
 from sidecar.prefix import PrefixIndex
-from sidecar.record import checked_row, harness_from_user_agent
+from sidecar.record import CallRecord, checked_row, harness_from_user_agent
 from sidecar.redact import (
     configured_secrets,
     redacted_json,
@@ -584,7 +584,7 @@ class Forge:
         if response_json is None and call.stream is not None:
             response_json = redacted_json(call.stream.summary(), call.secrets)
         user_agent = flow.request.headers.get("user-agent")
-        row = {
+        row: CallRecord = {
             "call_id": call.call_id, "episode_id": call.episode_id, "task_id": call.task_id, "run_id": call.run_id,
             "seq": call.seq, "api": call.api, "stream": bool(call.added and call.added.stream),
             "host": call.host, "path": call.path,  # as the harness called them, before routing

@@ -10,7 +10,7 @@ Everything here is stdlib + pyarrow: it runs inside the sidecar environment and 
 
 import json
 import math
-from typing import Any
+from typing import Any, TypedDict
 
 import pyarrow as pa
 
@@ -82,6 +82,49 @@ REWARD_SCHEMA = pa.schema(
 )
 
 TABLES = {"calls": CALL_SCHEMA, "rewards": REWARD_SCHEMA}
+
+
+class CallRecord(TypedDict, total=False):
+    """One call record as the sidecar builds it, before ``checked_row``: a column of ``CALL_SCHEMA`` each (a test
+    keeps the two equal). Times are microseconds since the epoch; id columns are packed int32/float32 bytes."""
+
+    call_id: str
+    episode_id: str
+    task_id: str | None
+    run_id: str
+    seq: int
+    api: str
+    stream: bool
+    host: str
+    path: str
+    model_requested: str | None
+    model_served: str | None
+    response_id: str | None
+    policy_version: str | None
+    policy_version_end: str | None
+    started_at: int
+    first_token_at: int | None
+    finished_at: int
+    status: str
+    http_status: int | None
+    finish_reason: str | None
+    error: str | None
+    note: str | None
+    parent_call_id: str | None
+    prefix_len: int
+    prompt_suffix_ids: bytes | None
+    prompt_len: int | None
+    completion_token_ids: bytes | None
+    completion_logprobs: bytes | None
+    n_unknown_logprobs: int | None
+    request_json: str | None
+    response_json: str | None
+    usage: str | None
+    harness: str | None
+    user_agent: str | None
+    sidecar_id: str
+    sidecar_version: str
+
 
 _HARNESSES = (  # (user-agent fragment, harness), first match wins
     ("claude-cli", "claude-code"),
@@ -155,7 +198,7 @@ def _coerce(value: Any, kind: pa.DataType) -> Any:
     return None
 
 
-def checked_row(table: str, row: dict[str, Any]) -> dict[str, Any]:
+def checked_row(table: str, row: CallRecord | dict[str, Any]) -> dict[str, Any]:
     """A record with every value checked and coerced to its column's type, so writing it can never fail later.
 
     Whatever a harness or an upstream sent: a value of another type is kept as its JSON text in a string column

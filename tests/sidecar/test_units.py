@@ -19,7 +19,7 @@ from forge.paths import repo_root
 from sidecar.apis import openai
 from sidecar.metrics import Metrics
 from sidecar.prefix import PrefixIndex, common_prefix_len
-from sidecar.record import CALL_SCHEMA, checked_row, to_table
+from sidecar.record import CALL_SCHEMA, CallRecord, checked_row, to_table
 from sidecar.redact import REDACTED, redacted_json, secrets_in_headers
 from sidecar.sse import EventFramer, rewrite_event
 from sidecar.store import StoreError, open_store
@@ -312,3 +312,7 @@ def test_a_held_row_whose_value_never_comes_goes_on_after_the_hold(tmp_path, mon
     writer.cut_batches()
     assert writer.flush_batches() and stored_call_ids(store) == ["c0"]
     assert writer.metrics.get("records_hold_expired_total") == 1
+
+
+def test_the_typed_call_record_has_exactly_the_schema_columns():
+    assert set(CallRecord.__annotations__) == {f.name for f in CALL_SCHEMA} - {"schema_version"}
