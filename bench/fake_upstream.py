@@ -9,6 +9,7 @@ always tested against the real vLLM; this server only answers in its shape, with
 Run alone: python bench/fake_upstream.py PORT
 """
 
+import collections
 import json
 import socket
 import sys
@@ -80,7 +81,7 @@ class Handler(BaseHTTPRequestHandler):
         if self.path.startswith("/v1/models"):
             self.send_json(200, {"object": "list", "data": [{"id": "fake-policy", "object": "model"}]})
         elif self.path.startswith("/weight_info"):
-            self.send_json(200, {"weight_version": "fake-1"})
+            self.send_json(200, {"weight_version": self.server.weight_version})  # type: ignore[attr-defined]
         else:
             self.send_json(200, {"path": self.path, "upstream": "fake"})
 
@@ -90,6 +91,12 @@ class Handler(BaseHTTPRequestHandler):
         if len(requests) < 10_000:  # tests look at the last requests; benchmarks send many more
             requests.append({"path": self.path, "headers": dict(self.headers), "body": body_bytes})
         behaviour = self.headers.get("x-fake", "")
+        script = self.server.script  # type: ignore[attr-defined]
+        if script:  # a test's exact answer: status, content type, body (an event stream is sent chunked)
+            self.send_scripted(*script.popleft())
+            return
+        if behaviour == "slow-start":  # a long prefill: nothing for a while, then the answer
+            time.sleep(float(self.headers.get("x-fake-seconds", "3")))
         if behaviour == "500":
             self.send_json(500, {"error": {"message": "injected failure", "type": "InternalServerError", "code": 500}})
             return
@@ -117,6 +124,20 @@ class Handler(BaseHTTPRequestHandler):
         self.write_chunk(b"data: [DONE]\n\n")
         self.wfile.write(b"0\r\n\r\n")
 
+    def send_scripted(self, status: int, content_type: str, body: bytes) -> None:
+        self.send_response(status)
+        self.send_header("content-type", content_type)
+        if "event-stream" in content_type:
+            self.send_header("transfer-encoding", "chunked")
+            self.end_headers()
+            if body:
+                self.write_chunk(body)
+            self.wfile.write(b"0\r\n\r\n")
+            return
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
     def write_chunk(self, data: bytes) -> None:
         self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
         self.wfile.flush()
@@ -131,6 +152,20 @@ class FakeUpstream:
         self.server = Server(("127.0.0.1", port), Handler)
         self.server.daemon_threads = True
         self.server.requests = []  # type: ignore[attr-defined]
+        self.server.weight_version = "fake-1"  # type: ignore[attr-defined]
+        self.server.script = collections.deque()  # type: ignore[attr-defined]
+
+    @property
+    def weight_version(self) -> str:
+        return self.server.weight_version  # type: ignore[attr-defined]
+
+    @weight_version.setter
+    def weight_version(self, version: str) -> None:
+        self.server.weight_version = version  # type: ignore[attr-defined]
+
+    def answer_next(self, status: int, content_type: str, body: bytes) -> None:
+        """The next POST gets exactly this answer."""
+        self.server.script.append((status, content_type, body))  # type: ignore[attr-defined]
 
     @property
     def url(self) -> str:

@@ -9,6 +9,7 @@ Runs in the sidecar environment (mitmproxy), pinned to one core:
 """
 
 import argparse
+import asyncio
 import contextlib
 import json
 import sys
@@ -45,9 +46,12 @@ def make_flow(prompt: list[int], completion: list[int], text: str) -> http.HTTPF
     return flow
 
 
+LOOP = asyncio.new_event_loop()  # the addon's request hook is async (mitmproxy awaits it)
+
+
 def drive(addon: Forge, flow: http.HTTPFlow) -> None:
     addon.requestheaders(flow)
-    addon.request(flow)
+    LOOP.run_until_complete(addon.request(flow))
     flow.response = tutils.tresp(content=flow.metadata["bench_response"],
                                  headers=http.Headers(content_type="application/json"))  # fmt: skip
     addon.response(flow)
@@ -79,8 +83,9 @@ def recording(prefix: str, **options: str) -> Iterator[tuple[Forge, Path]]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--calls", type=int, default=4000)
+    parser.add_argument("--fsync", choices=["always", "interval", "never"], default="interval")
     args = parser.parse_args()
-    with recording("forge-recorder-", forge_flush_seconds="1") as (addon, work):
+    with recording("forge-recorder-", forge_flush_seconds="1", forge_fsync=args.fsync) as (addon, work):
         # Throughput: episodes of 10 calls, every prompt 4,000 tokens long.
         flows = []
         for episode in range(args.calls // 10):
@@ -92,8 +97,8 @@ def main() -> None:
             drive(addon, flow)
         assert addon.writer is not None and addon.writer.close(60)  # the flush is part of the cost
         wall, cpu = time.perf_counter() - started_wall, time.process_time() - started_cpu
-    print(f"recorder: {len(flows)} calls with 4,000-token prompts in {wall:.2f} s wall / {cpu:.2f} s CPU "
-          f"= {len(flows) / wall:,.0f} calls/s ({len(flows) / cpu:,.0f} per CPU-second)")  # fmt: skip
+    print(f"recorder (--fsync {args.fsync}): {len(flows)} calls with 4,000-token prompts in {wall:.2f} s wall / "
+          f"{cpu:.2f} s CPU = {len(flows) / wall:,.0f} calls/s ({len(flows) / cpu:,.0f} per CPU-second)")  # fmt: skip
     stored = [pq.read_table(p) for p in (work / "store").rglob("*.parquet")]
     assert sum(t.num_rows for t in stored) == len(flows), "not every call was stored"
 

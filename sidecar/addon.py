@@ -19,6 +19,7 @@ Recording is fail-open: any exception in our code is logged and counted, and the
 """
 
 import asyncio
+import atexit
 import fnmatch
 import itertools
 import json
@@ -29,7 +30,9 @@ import threading
 import time
 import urllib.request
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from http.client import HTTPConnection, HTTPSConnection
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -40,12 +43,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # mitmdump load
 
 from sidecar import __version__ as SIDECAR_VERSION
 from sidecar import apis, transparent
-from sidecar.admin import AdminServer
+from sidecar.admin import DEFAULT_TOKEN_FILE, AdminServer, TokenFileError, create_token_file, read_token_file
 from sidecar.apis.base import Sampled
 from sidecar.apis.errors import error_body, error_headers
 from sidecar.metrics import Metrics
 from sidecar.prefix import PrefixIndex
-from sidecar.record import harness_from_user_agent
+from sidecar.record import CallRecord, checked_row, harness_from_user_agent
 from sidecar.redact import (
     configured_secrets,
     redacted_json,
@@ -56,7 +59,7 @@ from sidecar.redact import (
 )
 from sidecar.sse import EventFramer
 from sidecar.store import open_store
-from sidecar.writer import RecordWriter, now_us, pack_floats, pack_ids, sidecar_identity
+from sidecar.writer import RecordWriter, now_us, pack_floats, pack_ids
 
 log = logging.getLogger("openforge.sidecar")
 EPISODE_HEADER = "x-forge-episode-id"
@@ -64,6 +67,12 @@ TASK_HEADER = "x-forge-task-id"
 HOP_SECRETS = ("authorization", "x-api-key", "api-key")  # the policy server needs none of the harness's keys
 DEFAULT_MODEL_HOSTS = "api.openai.com,api.anthropic.com"
 MAX_RECORDED_BODY = 4 << 20  # bodies bigger than this are recorded as a note, not copied
+VERSION_TIMEOUT_S = 2.0  # asking the policy server its weight version (idle: about 1 ms; busy: one engine step)
+
+
+def _version_text(answer: Any) -> str | None:
+    version = answer.get("weight_version") if isinstance(answer, dict) else None
+    return None if version is None else str(version)
 
 
 @dataclass
@@ -82,6 +91,7 @@ class Call:
     model_requested: str | None = None
     request_json: str | None = None
     secrets: list[str] = field(default_factory=list)
+    policy_version: str | None = None  # the server's weight version just before the call was sent
     module: Any = None  # the wire API's module in sidecar.apis
     added: Any = None  # its Additions
     stream: Any = None  # its StreamState
@@ -96,17 +106,18 @@ class Forge:
     def __init__(self) -> None:
         self.metrics = Metrics()
         self.prefixes = PrefixIndex()
-        self.seq: dict[str, int] = {}
-        self.seq_lock = threading.Lock()
+        self.in_flight: dict[str, tuple[http.HTTPFlow, Call]] = {}  # calls begun, not yet recorded
+        self.probes = ThreadPoolExecutor(2, thread_name_prefix="forge-version")
         self.writer: RecordWriter | None = None
         self.admin: AdminServer | None = None
-        self.policy_version: str | None = None
+        self.policy_version: str | None = None  # fixed by --policy-version; else asked per call
         self.policy_model: str | None = None
         self.model_hosts: set[str] = set()
         self.model_map: list[tuple[str, str]] = []
         self.upstream = urlparse("http://127.0.0.1:8000")
         self.sidecar_id = ""
         self.secrets: list[str] = []
+        self.pod_episode: str | None = None  # the pod's identity (downward API), when the sidecar runs in one
         self.stop = threading.Event()
         # Call ids: a random prefix per process + a counter (uuid4 per call costs a urandom syscall).
         self.call_prefix = uuid.uuid4().hex[:16]
@@ -128,10 +139,16 @@ class Forge:
         add("forge_model_hosts", str, DEFAULT_MODEL_HOSTS, "Comma-separated hosts whose model paths are taken.")
         add("forge_max_completion_tokens", int, 0, "Bound every completion to this many tokens (0: as asked).")
         add("forge_admin_port", int, 0, "Loopback port of the admin endpoint (POST /reward, GET /metrics); 0: off.")
+        add("forge_reward_token_file", str, "", "File holding the bearer token POST /reward needs (default: a new "
+            "random one, mode 0600, in the WAL folder).")  # fmt: skip
+        add("forge_trust_episode_header", bool, False, "In a pod (POD_UID or FORGE_EPISODE_ID set), let a client's "
+            "x-forge-episode-id/x-forge-task-id header or proxy user name choose its episode.")  # fmt: skip
         add("forge_flush_rows", int, 2000, "Close a WAL segment after this many records.")
         add("forge_flush_bytes", int, 64 << 20, "Close a WAL segment after this many bytes.")
         add("forge_flush_seconds", str, "5.0", "Close a WAL segment after this many seconds.")
         add("forge_max_wal_bytes", int, 4 << 30, "Bound of the WAL on disk; past it new records are dropped.")
+        add("forge_fsync", str, "interval", "When WAL commits reach the disk: always | interval (1 s) | never.")
+        add("forge_drain_seconds", str, "20", "On SIGTERM, wait this long for calls in flight before cutting them.")
         add("forge_tls_passthrough", bool, False, "Open TLS only for model hosts (by SNI); pass the rest through.")
 
     def running(self) -> None:
@@ -144,39 +161,69 @@ class Forge:
             for pattern, _, target in (p.partition("=") for p in o.forge_model_map.split(","))
         ]
         self.secrets = configured_secrets()
-        wal_dir = Path(o.forge_wal_dir)
-        self.sidecar_id = sidecar_identity(wal_dir)
         store = open_store(o.forge_store, o.forge_s3_endpoint or None)
         self.writer = RecordWriter(
-            wal_dir, store, self.sidecar_id, self.metrics, max_rows=o.forge_flush_rows, max_bytes=o.forge_flush_bytes,
-            max_age_s=float(o.forge_flush_seconds), max_disk_bytes=o.forge_max_wal_bytes,
+            Path(o.forge_wal_dir), store, self.metrics, max_rows=o.forge_flush_rows, max_bytes=o.forge_flush_bytes,
+            max_age_s=float(o.forge_flush_seconds), max_disk_bytes=o.forge_max_wal_bytes, fsync=o.forge_fsync,
         ).start()  # fmt: skip
+        self.sidecar_id = self.writer.sidecar_id
         self.policy_model = o.forge_policy_model or None
         self.policy_version = o.forge_policy_version or None
         threading.Thread(target=self._watch_policy, name="forge-policy", daemon=True).start()
+        self.pod_episode = os.environ.get("FORGE_EPISODE_ID") or os.environ.get("POD_UID") or None
         if o.forge_admin_port:
-            self.admin = AdminServer(("127.0.0.1", o.forge_admin_port), self.writer, self.metrics).start()
+            try:
+                token = self._reward_token(Path(o.forge_wal_dir))
+            except (TokenFileError, OSError) as error:
+                log.error("%s: the sidecar stops (POST /reward would take no reward)", error)
+                ctx.master.shutdown()
+                return
+            self.secrets.append(token)  # scrubbed should a harness ever send it (it cannot read it in a pod)
+            self.admin = AdminServer(("127.0.0.1", o.forge_admin_port), self.writer, self.metrics, token).start()
         log.info("OpenForge sidecar %s: upstream %s, store %s", self.sidecar_id, o.forge_upstream, store.uri)
 
-    def done(self) -> None:
-        """SIGTERM/SIGINT: flush everything to the store before exiting."""
+    def _reward_token(self, wal_dir: Path) -> str:
+        """The token POST /reward needs: from --reward-token-file, or a new random one in the WAL folder (its path
+        is logged, never its value)."""
+        if ctx.options.forge_reward_token_file:
+            return read_token_file(Path(ctx.options.forge_reward_token_file))
+        path = wal_dir / DEFAULT_TOKEN_FILE
+        token = create_token_file(path)
+        log.warning("reward token (POST /reward needs Authorization: Bearer <token>) written to %s", path.resolve())
+        return token
+
+    async def done(self) -> None:
+        """SIGTERM/SIGINT: wait (bounded) for calls in flight, record the ones cut, flush everything, then exit.
+
+        mitmproxy awaits this hook with its event loop running, so calls in flight go on meanwhile. The bound
+        (``--drain-seconds``, default 20 s) plus the flush (at most 5 s) fits a pod's default 30 s grace period.
+        Records the store did not take stay in the WAL; the process then exits 3 and says so.
+        """
         self.stop.set()
+        deadline = time.monotonic() + float(ctx.options.forge_drain_seconds)
+        while self.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for flow, call in list(self.in_flight.values()):
+            try:
+                call.error = "cut at shutdown: the sidecar stopped before the answer was complete"
+                self._record(flow, call, status="truncated", sampled=call.stream.sampled if call.stream else None)
+            except Exception as error:
+                self._internal_error("shutdown", error)
         if self.admin:
             self.admin.stop()
-        if self.writer:
-            self.writer.close(timeout_s=15.0)
+        if self.writer and not self.writer.close(timeout_s=5.0):
+            log.error("%d records are still in the write-ahead log; the next start replays them",
+                      self.writer.pending())  # fmt: skip
+            atexit.register(os._exit, 3)  # after mitmproxy's own clean-up: a stop that leaves records is not clean
 
     def _watch_policy(self) -> None:
-        """Keep the served model name and the policy version current (the trainer bumps it on each publish)."""
+        """Keep the served model name current, and whether the policy server is up (the version is per call)."""
         base = f"{self.upstream.scheme}://{self.upstream.netloc}"
         while not self.stop.is_set():
             try:
                 if not ctx.options.forge_policy_model:
                     with urllib.request.urlopen(f"{base}/v1/models", timeout=2) as answer:
                         self.policy_model = json.load(answer)["data"][0]["id"]
-                if not ctx.options.forge_policy_version:
-                    with urllib.request.urlopen(f"{base}/weight_info", timeout=2) as answer:
-                        self.policy_version = str(json.load(answer).get("weight_version"))
                 self.metrics.set("upstream_up", 1)
             except Exception:
                 self.metrics.set("upstream_up", 0)
@@ -216,13 +263,15 @@ class Forge:
             return
         flow.metadata["forge_api"] = api
 
-    def request(self, flow: http.HTTPFlow) -> None:
+    async def request(self, flow: http.HTTPFlow) -> None:
         api = flow.metadata.get("forge_api")
         if api is None or flow.response is not None:
             return
         try:
             if api in apis.RECORDED:
                 self._begin(flow, api)
+                call: Call = flow.metadata["forge_call"]
+                call.policy_version = self.policy_version or await self._version_before()
             else:  # served by the policy, not a sampled call: routed, never recorded
                 self._strip_hop_secrets(flow)
                 self._route(flow)
@@ -277,25 +326,35 @@ class Forge:
         return apis.api_for(flow.request.method, flow.request.path)
 
     def _identity(self, flow: http.HTTPFlow) -> tuple[str, str | None, str]:
+        """Episode, task and run of a call. The operator's flags come first. In a pod (POD_UID or FORGE_EPISODE_ID
+        from the downward API) the pod's identity comes next and what a client says (header, proxy user name) is
+        ignored and counted, unless --trust-episode-header: the agent runs shell commands in that pod."""
         o = ctx.options
         proxy_user = (flow.metadata.get("proxyauth") or (None,))[0]
-        episode = (
-            o.forge_episode_id
-            or proxy_user
-            or flow.request.headers.get(EPISODE_HEADER)
-            or os.environ.get("FORGE_EPISODE_ID")
-            or os.environ.get("POD_UID")
-            or f"{self.sidecar_id}-default"
-        )
-        task = o.forge_task_id or flow.request.headers.get(TASK_HEADER) or os.environ.get("FORGE_TASK_ID") or None
+        claimed_episode = proxy_user or flow.request.headers.get(EPISODE_HEADER)
+        claimed_task = flow.request.headers.get(TASK_HEADER)
+        pod_task = os.environ.get("FORGE_TASK_ID")
+        if self.pod_episode and not o.forge_trust_episode_header:
+            episode = o.forge_episode_id or self.pod_episode
+            task = o.forge_task_id or pod_task or None
+            if (claimed_episode and claimed_episode != episode) or (claimed_task and claimed_task != task):
+                self.metrics.inc("episode_relabel_refused_total")
+                if self.metrics.get("episode_relabel_refused_total") == 1:
+                    log.warning(
+                        "a client named another episode or task than the pod's (%s): ignored, counted in "
+                        "episode_relabel_refused_total (--trust-episode-header allows it)",
+                        episode,
+                    )
+        else:
+            episode = o.forge_episode_id or claimed_episode or self.pod_episode or f"{self.sidecar_id}-default"
+            task = o.forge_task_id or claimed_task or pod_task or None
         run = o.forge_run_id or os.environ.get("FORGE_RUN_ID") or "default"
         return episode, task, run
 
     def _begin(self, flow: http.HTTPFlow, api: str) -> None:
         episode, task, run = self._identity(flow)
-        with self.seq_lock:
-            seq = self.seq.get(episode, 0)
-            self.seq[episode] = seq + 1
+        assert self.writer is not None
+        seq = self.writer.next_seq(episode)
         call = Call(
             call_id=f"{self.call_prefix}{next(self.call_numbers):08x}", api=api, episode_id=episode,
             task_id=task, run_id=run, seq=seq,
@@ -304,6 +363,7 @@ class Forge:
             host=flow.request.host_header or flow.request.pretty_host, path=flow.request.path.split("?", 1)[0],
         )  # fmt: skip
         flow.metadata["forge_call"] = call
+        self.in_flight[call.call_id] = (flow, call)
         self._strip_hop_secrets(flow)
         self._route(flow)
         try:
@@ -326,7 +386,8 @@ class Forge:
             if size <= MAX_RECORDED_BODY
             else json.dumps({"note": "request body too large to copy", "bytes": size})
         )
-        call.model_requested = body.get("model")
+        model = body.get("model")  # a harness may send any JSON here: a name that is not a string is kept as JSON
+        call.model_requested = model if isinstance(model, str) or model is None else json.dumps(model)
         served = self._served_model(call.model_requested)
         if served:
             body["model"] = served
@@ -373,6 +434,48 @@ class Forge:
             {"data": data, "has_more": False, "first_id": data[0]["id"] if data else None,
              "last_id": data[-1]["id"] if data else None}
         ).encode()  # fmt: skip
+
+    async def _version_before(self) -> str | None:
+        """The server's weight version now, asked for this call just before it is sent (None: not known)."""
+        upstream = self.upstream
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(
+                    upstream.hostname, upstream.port or (443 if upstream.scheme == "https" else 80),
+                    ssl=upstream.scheme == "https" or None,
+                ),
+                VERSION_TIMEOUT_S,
+            )  # fmt: skip
+            try:
+                request = f"GET /weight_info HTTP/1.1\r\nHost: {upstream.netloc}\r\nConnection: close\r\n\r\n"
+                writer.write(request.encode())
+                answer = await asyncio.wait_for(reader.read(), VERSION_TIMEOUT_S)
+            finally:
+                writer.close()
+            head, _, body = answer.partition(b"\r\n\r\n")
+            if not head.startswith(b"HTTP/1.1 200"):
+                return None
+            return _version_text(json.loads(body))
+        except (OSError, TimeoutError, ValueError):
+            return None
+
+    def _complete_version(self, row_id: int) -> None:
+        """In a worker thread: the server's weight version now, after the call; a call that straddles a publish
+        differs here from its ``policy_version``."""
+        upstream = self.upstream
+        kind = HTTPSConnection if upstream.scheme == "https" else HTTPConnection
+        connection = kind(upstream.hostname or "127.0.0.1", upstream.port, timeout=VERSION_TIMEOUT_S)
+        version = None
+        try:
+            connection.request("GET", "/weight_info")
+            answer = connection.getresponse()
+            version = _version_text(json.loads(answer.read())) if answer.status == 200 else None
+        except (OSError, ValueError):
+            pass
+        finally:
+            connection.close()
+        assert self.writer is not None
+        self.writer.complete(row_id, {"policy_version_end": version})
 
     def _route(self, flow: http.HTTPFlow) -> None:
         upstream = self.upstream
@@ -457,11 +560,18 @@ class Forge:
         response_json: str | None = None,
     ) -> None:  # fmt: skip
         call.recorded = True
+        self.in_flight.pop(call.call_id, None)
         assert self.writer is not None
+        if sampled is not None and sampled.upstream_error and status in ("ok", "truncated"):
+            status, call.error = "upstream_error", scrub_text(sampled.upstream_error, call.secrets)
         if sampled is not None and status == "ok" and (sampled.prompt_ids is None or not sampled.completion_ids):
             status, call.error = "error", "the upstream returned no token ids"
         if status == "ok" and getattr(call.stream, "gather_error", None):
             status, call.error = "error", f"ids not gathered: {call.stream.gather_error}"
+        if sampled is not None and (problem := sampled.problem()):  # -inf/misaligned logprobs: never silent
+            status, call.error = (
+                ("error", problem) if status == "ok" else (status, "; ".join(filter(None, [call.error, problem])))
+            )
         if sampled is not None and sampled.n_choices > 1:
             call.error = f"n={sampled.n_choices}: only choice 0 is recorded"
         prompt = pack_ids(sampled.prompt_ids) if sampled and sampled.prompt_ids is not None else None
@@ -474,13 +584,14 @@ class Forge:
         if response_json is None and call.stream is not None:
             response_json = redacted_json(call.stream.summary(), call.secrets)
         user_agent = flow.request.headers.get("user-agent")
-        row = {
+        row: CallRecord = {
             "call_id": call.call_id, "episode_id": call.episode_id, "task_id": call.task_id, "run_id": call.run_id,
             "seq": call.seq, "api": call.api, "stream": bool(call.added and call.added.stream),
             "host": call.host, "path": call.path,  # as the harness called them, before routing
             "model_requested": call.model_requested, "model_served": sampled.model if sampled else None,
             "response_id": sampled.response_id if sampled else None,
-            "policy_version": self.policy_version, "started_at": call.started_at,
+            "policy_version": call.policy_version, "policy_version_end": self.policy_version or None,
+            "started_at": call.started_at,
             "first_token_at": call.first_token_at, "finished_at": now_us(), "status": status,
             "http_status": flow.response.status_code if flow.response else None,
             "finish_reason": sampled.finish_reason if sampled else None, "error": call.error,
@@ -497,8 +608,14 @@ class Forge:
             "user_agent": scrub_text(user_agent, call.secrets) if user_agent else None,
             "sidecar_id": self.sidecar_id, "sidecar_version": SIDECAR_VERSION,
         }  # fmt: skip
-        if self.writer.append("calls", row):
+        # The version as the call ends is asked off the event loop (vLLM answers between engine steps): the row
+        # is logged now and held in the WAL until the answer completes it (at most writer.HOLD_S).
+        probe = call.policy_version is not None and not self.policy_version
+        row_id = self.writer.append("calls", checked_row("calls", row), hold=probe)
+        if row_id is not None:
             self.metrics.inc(f'calls_total{{status="{status}"}}')
+            if probe:
+                self.probes.submit(self._complete_version, row_id)
 
     def _internal_error(self, where: str, error: Exception) -> None:
         self.metrics.inc("internal_errors_total")

@@ -3,6 +3,8 @@
 import json
 import math
 import os
+import urllib.error
+import urllib.request
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
@@ -12,6 +14,7 @@ import click
 from forge.errors import ForgeError
 from forge.paths import repo_root
 from sidecar import ca, netinit
+from sidecar.admin import TokenFileError, read_token_file
 from sidecar.record import to_table
 from sidecar.store import Store, StoreError, open_store
 
@@ -35,11 +38,12 @@ def mitmdump_command(
     episode_id: str | None, options: dict[str, object], mitmproxy_options: dict[str, str] | None = None,
 ) -> list[str]:  # fmt: skip
     args = [
-        str(sidecar_python_bin() / "mitmdump"), "-q", "-s", str(ADDON),
+        str(sidecar_python_bin() / "mitmdump"), "-s", str(ADDON),
         "--mode", mode, "--listen-host", listen_host, "--listen-port", str(listen_port),
         "--set", f"confdir={confdir}",
         # Lazy: a model host is rerouted before any connection to it is tried (a pod may have no route to it).
         "--set", "connection_strategy=lazy",
+        # Warnings and errors (not -q: it would override this with "error" after the --set options are read).
         "--set", "flow_detail=0", "--set", "termlog_verbosity=warn",
         "--set", f"forge_upstream={upstream}", "--set", f"forge_store={store}", "--set", f"forge_wal_dir={wal_dir}",
     ]  # fmt: skip
@@ -83,6 +87,12 @@ def upstream_trust(confdir: Path, extra_cas: tuple[Path, ...]) -> dict[str, str]
 @click.option("--task-id")
 @click.option("--run-id")
 @click.option("--admin-port", type=int, default=0, help="Loopback port for POST /reward and GET /metrics.")
+@click.option("--reward-token-file", type=click.Path(path_type=Path, dir_okay=False),
+              help="The bearer token POST /reward needs, in a file the harness's uid cannot read "
+                   "[default: a new random one, mode 0600, at WAL_DIR/reward-token].")  # fmt: skip
+@click.option("--trust-episode-header", is_flag=True,
+              help="In a pod (POD_UID/FORGE_EPISODE_ID set), let X-Forge-Episode-Id/X-Forge-Task-Id or the proxy "
+                   "user name choose a call's episode; by default the pod's identity wins.")  # fmt: skip
 @click.option("--model-map", default="*", show_default=True, help="PATTERN[=MODEL],...: names served by MODEL.")
 @click.option(
     "--model-hosts",
@@ -94,6 +104,16 @@ def upstream_trust(confdir: Path, extra_cas: tuple[Path, ...]) -> dict[str, str]
 @click.option("--flush-seconds", type=float, default=5.0, show_default=True)
 @click.option("--flush-rows", type=int, default=2000, show_default=True)
 @click.option("--max-wal-bytes", type=int, default=4 << 30, show_default=True)
+@click.option("--fsync", type=click.Choice(["always", "interval", "never"]), default="interval", show_default=True,
+              help="When WAL commits reach the disk: every record (survives a machine crash), each second, or never "
+                   "(a process kill loses nothing either way).")  # fmt: skip
+@click.option(
+    "--drain-seconds",
+    type=float,
+    default=20.0,
+    show_default=True,
+    help="On SIGTERM, wait this long for calls in flight (then record them as cut) before flushing.",
+)
 @click.option("--max-completion-tokens", type=int, default=0, help="Bound every completion (rollout length); 0: off.")
 @click.option("--ca-dir", type=click.Path(path_type=Path, file_okay=False),
               help="The CA to sign model hosts with (`forge ca init --dir`) [default: WAL_DIR/mitmproxy].")  # fmt: skip
@@ -103,15 +123,17 @@ def upstream_trust(confdir: Path, extra_cas: tuple[Path, ...]) -> dict[str, str]
 def sidecar_command(
     mode: str, listen_host: str | None, listen_port: int, upstream: str, store: str, s3_endpoint: str | None,
     wal_dir: Path | None, episode_id: str | None, task_id: str | None, run_id: str | None, admin_port: int,
-    model_map: str, model_hosts: str, policy_version: str | None, flush_seconds: float, flush_rows: int,
-    max_wal_bytes: int, max_completion_tokens: int, ca_dir: Path | None, upstream_ca: tuple[Path, ...],
+    reward_token_file: Path | None, trust_episode_header: bool, model_map: str, model_hosts: str,
+    policy_version: str | None, flush_seconds: float, flush_rows: int, max_wal_bytes: int, fsync: str,
+    drain_seconds: float, max_completion_tokens: int, ca_dir: Path | None, upstream_ca: tuple[Path, ...],
     print_command: bool,
 ) -> None:  # fmt: skip
     """Run the capture sidecar: serve model calls from the policy and record them token by token.
 
     Model calls (Chat Completions, Completions, Responses, Anthropic Messages to a model host, or to any host
     in reverse mode) go to --upstream with token ids and logprobs requested, and are recorded to --store;
-    everything else passes through untouched and unrecorded. SIGTERM flushes all records before exiting.
+    everything else passes through untouched and unrecorded. SIGTERM waits up to --drain-seconds for calls in
+    flight and flushes every record before exiting; it exits 3 when records had to stay in the WAL.
 
     --mode transparent (behind `forge net-init`): the original destination comes from the redirect; TLS is
     opened only for model hosts (by SNI, certificates from --ca-dir), everything else passes through untouched.
@@ -119,6 +141,12 @@ def sidecar_command(
     if not (mode in ("regular", "transparent") or mode.startswith("reverse:")):
         raise ForgeError(f"unknown --mode {mode!r}: use regular, reverse:URL or transparent")
     checked_store(store, s3_endpoint)
+    if reward_token_file:
+        try:
+            read_token_file(reward_token_file)
+        except TokenFileError as error:
+            raise ForgeError(str(error)) from error
+        reward_token_file = reward_token_file.resolve()
     mitmdump = sidecar_python_bin() / "mitmdump"
     if not mitmdump.exists():
         raise ForgeError(f"no sidecar environment at {mitmdump.parent.parent}: run `make env`")
@@ -134,8 +162,10 @@ def sidecar_command(
     args = mitmdump_command(
         mode, listen_host, listen_port, upstream, store, wal, confdir, episode_id,
         {"task_id": task_id, "run_id": run_id, "admin_port": admin_port or None, "model_map": model_map,
+         "reward_token_file": reward_token_file, "trust_episode_header": "true" if trust_episode_header else None,
          "model_hosts": model_hosts, "policy_version": policy_version, "s3_endpoint": s3_endpoint,
          "flush_seconds": flush_seconds, "flush_rows": flush_rows, "max_wal_bytes": max_wal_bytes,
+         "fsync": fsync, "drain_seconds": drain_seconds,
          "max_completion_tokens": max_completion_tokens or None,
          "tls_passthrough": "true" if transparent else None},
         upstream_trust(wal if ca_dir else confdir, upstream_ca),
@@ -143,6 +173,7 @@ def sidecar_command(
     if print_command:
         click.echo(json.dumps(args))
         return
+    os.environ["PYTHONUNBUFFERED"] = "1"  # mitmdump prints log lines without flushing: a pod's log is a pipe
     os.execv(args[0], args)  # mitmdump itself gets SIGTERM and flushes in its `done` hook
 
 
@@ -162,29 +193,61 @@ def parse_components(values: tuple[str, ...]) -> dict[str, float]:
 @click.command("reward")
 @click.option("--store", default="./forge-data", show_default=True, help="Folder or s3://bucket/prefix.")
 @click.option("--s3-endpoint", help="S3-compatible endpoint URL.")
+@click.option("--sidecar", "sidecar_url", help="Post to this sidecar's admin endpoint (http://127.0.0.1:PORT) "
+              "instead of writing to the store; needs --token-file.")  # fmt: skip
+@click.option("--token-file", type=click.Path(path_type=Path, dir_okay=False),
+              help="With --sidecar: the file holding the sidecar's reward token (--reward-token-file).")  # fmt: skip
 @click.option("--episode-id", required=True)
 @click.option("--value", type=float, required=True, help="The reward.")
 @click.option("--call-id", help="The call the reward is for (default: the whole episode).")
 @click.option("--run-id", default="default", show_default=True)
 @click.option("--component", multiple=True, help="NAME=NUMBER, repeatable: parts of the reward.")
-@click.option("--source", default="cli", show_default=True)
+@click.option("--source", default="cli", show_default=True, help="Recorded source (a sidecar sets its own).")
 def reward_command(
-    store: str, s3_endpoint: str | None, episode_id: str, value: float, call_id: str | None, run_id: str,
-    component: tuple[str, ...], source: str,
+    store: str, s3_endpoint: str | None, sidecar_url: str | None, token_file: Path | None, episode_id: str,
+    value: float, call_id: str | None, run_id: str, component: tuple[str, ...], source: str,
 ) -> None:  # fmt: skip
-    """Record a reward for an episode (or one call) in the store, as a verifier would."""
+    """Record a reward for an episode (or one call), as a verifier would: in the store (write access to it is the
+    credential), or through a sidecar's admin endpoint with its reward token (--sidecar, --token-file)."""
     if not math.isfinite(value):
         raise ForgeError("--value must be a finite number")
+    components = parse_components(component)
+    if sidecar_url or token_file:
+        if not (sidecar_url and token_file):
+            raise ForgeError("--sidecar and --token-file go together: the admin endpoint needs the reward token")
+        click.echo(post_reward(sidecar_url, token_file, {"episode_id": episode_id, "call_id": call_id,
+                                                         "reward": value, "components": components}))  # fmt: skip
+        return
     target = checked_store(store, s3_endpoint)
     now = datetime.now(UTC)
     row = {"episode_id": episode_id, "call_id": call_id, "reward": value, "source": source, "at": now,
-           "components": list(parse_components(component).items()) or None}  # fmt: skip
+           "components": list(components.items()) or None}  # fmt: skip
     name = f"rewards/run={run_id}/date={now:%Y-%m-%d}/cli-{uuid.uuid4().hex}.parquet"
     try:
         path = target.write_parquet(name, to_table([row], "rewards"))
     except OSError as error:
         raise ForgeError(f"could not write to the store {store}: {error}") from error
     click.echo(path)
+
+
+def post_reward(sidecar_url: str, token_file: Path, payload: dict[str, object]) -> str:
+    """POST /reward on a sidecar's admin endpoint with the bearer token; its answer, or a one-line ForgeError."""
+    try:
+        token = read_token_file(token_file)
+    except TokenFileError as error:
+        raise ForgeError(str(error)) from error
+    request = urllib.request.Request(
+        f"{sidecar_url.rstrip('/')}/reward", data=json.dumps(payload).encode(), method="POST",
+        headers={"authorization": f"Bearer {token}", "content-type": "application/json"},
+    )  # fmt: skip
+    try:
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            return answer.read().decode()
+    except urllib.error.HTTPError as error:
+        detail = error.read().decode(errors="replace")[:500]
+        raise ForgeError(f"the sidecar refused the reward ({error.code}): {detail}") from None
+    except (urllib.error.URLError, OSError) as error:
+        raise ForgeError(f"cannot reach the sidecar at {sidecar_url}: {getattr(error, 'reason', error)}") from None
 
 
 def port_list(value: str, option: str) -> tuple[int, ...]:

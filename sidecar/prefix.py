@@ -26,9 +26,15 @@ def common_prefix_len(a: bytes | memoryview, b: bytes | memoryview) -> int:
 
 
 class PrefixIndex:
-    def __init__(self, max_episodes: int = 4096, calls_per_episode: int = 4, min_prefix: int = 16) -> None:
+    """Per episode, the sequences of its last few calls; bounded in episodes and in bytes (least recent go)."""
+
+    def __init__(
+        self, max_episodes: int = 4096, calls_per_episode: int = 4, min_prefix: int = 16, max_bytes: int = 256 << 20
+    ) -> None:
         self.episodes: OrderedDict[str, deque[tuple[str, bytes]]] = OrderedDict()
         self.max_episodes = max_episodes
+        self.max_bytes = max_bytes
+        self.bytes = 0
         self.calls_per_episode = calls_per_episode
         self.min_prefix = min_prefix  # shorter shared prefixes (a bare system prompt) are not worth a reference
 
@@ -44,9 +50,13 @@ class PrefixIndex:
     def remember(self, episode_id: str, call_id: str, sequence: bytes) -> None:
         calls = self.episodes.get(episode_id)
         if calls is None:
-            calls = self.episodes[episode_id] = deque(maxlen=self.calls_per_episode)
-            if len(self.episodes) > self.max_episodes:
-                self.episodes.popitem(last=False)
+            calls = self.episodes[episode_id] = deque()
         else:
             self.episodes.move_to_end(episode_id)
         calls.append((call_id, sequence))
+        self.bytes += len(sequence)
+        if len(calls) > self.calls_per_episode:
+            self.bytes -= len(calls.popleft()[1])
+        while self.episodes and (len(self.episodes) > self.max_episodes or self.bytes > self.max_bytes):
+            _, evicted = self.episodes.popitem(last=False)
+            self.bytes -= sum(len(sequence) for _, sequence in evicted)

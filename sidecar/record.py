@@ -8,7 +8,9 @@ without a parent has ``prefix_len = 0`` and its whole prompt in ``prompt_suffix_
 Everything here is stdlib + pyarrow: it runs inside the sidecar environment and is read by the collector.
 """
 
-from typing import Any
+import json
+import math
+from typing import Any, TypedDict
 
 import pyarrow as pa
 
@@ -35,7 +37,10 @@ CALL_SCHEMA = pa.schema(
         pa.field("model_requested", pa.string()),
         pa.field("model_served", pa.string()),
         pa.field("response_id", pa.string()),
+        # The server's weight version asked just before the call was sent, and again as it was recorded: they
+        # differ when a publish happened while the call was served (it straddles two versions).
         pa.field("policy_version", pa.string()),
+        pa.field("policy_version_end", pa.string()),
         pa.field("started_at", pa.timestamp("us", tz="UTC")),
         pa.field("first_token_at", pa.timestamp("us", tz="UTC")),
         pa.field("finished_at", pa.timestamp("us", tz="UTC")),
@@ -78,6 +83,49 @@ REWARD_SCHEMA = pa.schema(
 
 TABLES = {"calls": CALL_SCHEMA, "rewards": REWARD_SCHEMA}
 
+
+class CallRecord(TypedDict, total=False):
+    """One call record as the sidecar builds it, before ``checked_row``: a column of ``CALL_SCHEMA`` each (a test
+    keeps the two equal). Times are microseconds since the epoch; id columns are packed int32/float32 bytes."""
+
+    call_id: str
+    episode_id: str
+    task_id: str | None
+    run_id: str
+    seq: int
+    api: str
+    stream: bool
+    host: str
+    path: str
+    model_requested: str | None
+    model_served: str | None
+    response_id: str | None
+    policy_version: str | None
+    policy_version_end: str | None
+    started_at: int
+    first_token_at: int | None
+    finished_at: int
+    status: str
+    http_status: int | None
+    finish_reason: str | None
+    error: str | None
+    note: str | None
+    parent_call_id: str | None
+    prefix_len: int
+    prompt_suffix_ids: bytes | None
+    prompt_len: int | None
+    completion_token_ids: bytes | None
+    completion_logprobs: bytes | None
+    n_unknown_logprobs: int | None
+    request_json: str | None
+    response_json: str | None
+    usage: str | None
+    harness: str | None
+    user_agent: str | None
+    sidecar_id: str
+    sidecar_version: str
+
+
 _HARNESSES = (  # (user-agent fragment, harness), first match wins
     ("claude-cli", "claude-code"),
     ("claude-code", "claude-code"),
@@ -104,3 +152,58 @@ def to_table(rows: list[dict[str, Any]], table: str) -> pa.Table:
     """Rows (dicts keyed by column) to an Arrow table of the named schema; missing columns are null."""
     schema = TABLES[table]
     return pa.Table.from_pylist([{"schema_version": SCHEMA_VERSION, **row} for row in rows], schema=schema)
+
+
+def _text(value: Any) -> str:
+    """Any value as a string a Parquet column takes: strings as they are, anything else as its JSON text."""
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # lone surrogates (from JSON \ud800 escapes) have no UTF-8 form
+        text = text.encode("utf-8", "replace").decode("utf-8")
+    return text
+
+
+def _integer(value: Any, bits: int) -> int | None:
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        value = int(value)
+    if isinstance(value, int) and -(1 << (bits - 1)) <= value < 1 << (bits - 1):
+        return value
+    return None
+
+
+def _coerce(value: Any, kind: pa.DataType) -> Any:
+    if value is None:
+        return None
+    if pa.types.is_string(kind):
+        return _text(value)
+    if pa.types.is_integer(kind):
+        return _integer(value, kind.bit_width)
+    if pa.types.is_timestamp(kind):
+        return _integer(value, 64)
+    if pa.types.is_boolean(kind):
+        return value if isinstance(value, bool) else None
+    if pa.types.is_floating(kind):
+        number = float(value) if isinstance(value, int | float) and not isinstance(value, bool) else math.nan
+        return number if math.isfinite(number) else None
+    if pa.types.is_list(kind):  # id columns travel packed (int32 / float32 bytes)
+        return value if isinstance(value, bytes) and len(value) % 4 == 0 else None
+    if pa.types.is_map(kind):
+        if not isinstance(value, dict):
+            return None
+        pairs = {_text(k): _coerce(v, kind.item_type) for k, v in value.items()}
+        return {k: v for k, v in pairs.items() if v is not None}
+    return None
+
+
+def checked_row(table: str, row: CallRecord | dict[str, Any]) -> dict[str, Any]:
+    """A record with every value checked and coerced to its column's type, so writing it can never fail later.
+
+    Whatever a harness or an upstream sent: a value of another type is kept as its JSON text in a string column
+    (a model name that is a number or a list), or dropped (null) where the column cannot hold it (an out-of-range
+    integer, a non-finite reward); unknown keys are dropped.
+    """
+    schema = TABLES[table]
+    return {field.name: _coerce(row.get(field.name), field.type) for field in schema if field.name != "schema_version"}

@@ -34,6 +34,19 @@ class Store:
 
     def write_parquet(self, relative: str, table: pa.Table) -> str:
         """Write ``table`` at ``relative`` atomically; an existing file of that name is replaced whole."""
+        self._write(relative, table, replace=True)
+        return self.path(relative)
+
+    def write_parquet_new(self, relative: str, table: pa.Table) -> bool:
+        """Write ``table`` at ``relative`` atomically unless an object of that name exists (then False, untouched).
+
+        Locally a hard link publishes the file, which fails rather than replace. pyarrow's S3 client has no
+        conditional put (If-None-Match), so on S3 the name is looked up first: a writer that owns its names (the
+        sidecar's are unique per WAL) can only meet its own earlier upload of the same rows there.
+        """
+        return self._write(relative, table, replace=False)
+
+    def _write(self, relative: str, table: pa.Table, replace: bool) -> bool:
         target = self.path(relative)
         parent = target.rsplit("/", 1)[0]
         self.filesystem.create_dir(parent, recursive=True)
@@ -42,16 +55,24 @@ class Store:
             staging = f"{parent}/.{target.rsplit('/', 1)[1]}.{uuid.uuid4().hex}.tmp"
             try:
                 pq.write_table(table, staging, filesystem=self.filesystem, compression="zstd")
-                os.replace(staging, target)
+                if replace:
+                    os.replace(staging, target)
+                else:
+                    try:
+                        os.link(staging, target)
+                    except FileExistsError:
+                        return False
             finally:
                 if os.path.exists(staging):
                     os.unlink(staging)
-        else:
-            buffer = io.BytesIO()
-            pq.write_table(table, buffer, compression="zstd")
-            with self.filesystem.open_output_stream(target) as out:
-                out.write(buffer.getvalue())
-        return target
+            return True
+        if not replace and self.filesystem.get_file_info(target).type != pafs.FileType.NotFound:
+            return False
+        buffer = io.BytesIO()
+        pq.write_table(table, buffer, compression="zstd")
+        with self.filesystem.open_output_stream(target) as out:
+            out.write(buffer.getvalue())
+        return True
 
     def list_parquet(self, table: str) -> list[str]:
         selector = pafs.FileSelector(self.path(table), recursive=True, allow_not_found=True)

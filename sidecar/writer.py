@@ -1,18 +1,32 @@
-"""The record writer: a local write-ahead log, flushed to the store as Parquet files that appear atomically.
+"""The record writer: a write-ahead log in SQLite, flushed to the store as Parquet files that appear atomically.
 
-Every record is appended to the current WAL segment of its table with one unbuffered write before the harness
-gets its answer, so a ``kill -9`` loses nothing delivered. A segment is closed by rows, bytes or age; the flusher
-thread turns each closed segment into Parquet files named after it (``<sidecar-id>-<table>-<n>.parquet``) and
-deletes it only after the store took them. A restart replays what is left under the same names, so a segment
-written just before a crash is replaced whole, not duplicated. While the store is down segments wait on disk
-(retried with backoff); past ``max_disk_bytes`` new records are dropped with a loud log line and a metric,
-never by blocking or failing the harness's call.
+Every record is committed to the WAL (``<wal-dir>/wal.sqlite``) before the harness gets its answer, so a
+``kill -9`` loses nothing delivered: SQLite's journal makes each commit atomic (a torn write rolls back only
+itself) and ``--fsync`` says when it reaches the disk: ``always`` (every commit, survives a machine crash),
+``interval`` (the default: a checkpoint each second, so a machine crash loses at most about a second; a process
+kill loses nothing) or ``never`` (the OS decides). Rows are plain JSON plus little-endian int32/float32 blobs for
+the ids, readable by any Python.
+
+The flusher thread cuts the pending rows of a table into numbered batches (by rows, bytes or age) and writes
+each batch as Parquet named ``<sidecar-id>-<table>-b<batch>.parquet``; the rows leave the WAL only after the
+store took every file. Names never collide: the sidecar id is random per WAL database, batch numbers never
+repeat, and a batch replayed after a crash rewrites exactly the rows it had. The store is never asked to replace
+an object: a name already there is that same batch, written before the crash. A row that cannot be converted
+(should one ever get past ``CallRecord``) is moved to ``<wal-dir>/quarantine/`` and counted; the rest go on.
+While the store is down batches wait on disk (retried with backoff); past ``max_disk_bytes`` new records are
+dropped with a loud log line and a metric, never by blocking or failing the harness's call.
+
+The WAL also keeps each episode's next call number (``seq``), so call order survives a restart.
 """
 
+import base64
+import json
 import logging
 import marshal
 import os
+import sqlite3
 import struct
+import sys
 import threading
 import time
 import zlib
@@ -30,50 +44,46 @@ from sidecar.store import Store
 
 log = logging.getLogger("openforge.sidecar")
 
-_FRAME = struct.Struct("<II")  # payload length, adler32 (a torn or garbled tail is detected)
+WAL_FILE = "wal.sqlite"
+FSYNC_POLICIES = {"always": "FULL", "interval": "NORMAL", "never": "OFF"}
+CHECKPOINT_INTERVAL_S = 1.0
+HOLD_S = 3.0  # the longest a row waits for a value still to come (``complete``) before it is batched without it
+MAX_EPISODE_COUNTERS = 100_000  # seq counters kept; the least recently used beyond this are forgotten
+# The id columns travel as packed little-endian bytes and become list arrays without a Python loop.
 ID_COLUMNS = {"prompt_suffix_ids": "i", "completion_token_ids": "i", "completion_logprobs": "f"}
+_BLOBS = tuple(ID_COLUMNS)
+_TEXTS = ("request_json", "response_json")  # big strings get columns of their own: not escaped into the JSON
+_RAW = (*_BLOBS, *_TEXTS)
 TIME_COLUMNS = ("started_at", "first_token_at", "finished_at", "at")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS records (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, tbl TEXT NOT NULL, size INTEGER NOT NULL, logged_at REAL NOT NULL,
+    fields TEXT NOT NULL, prompt_suffix_ids BLOB, completion_token_ids BLOB, completion_logprobs BLOB,
+    request_json TEXT, response_json TEXT);
+CREATE TABLE IF NOT EXISTS batches (
+    number INTEGER PRIMARY KEY AUTOINCREMENT, tbl TEXT NOT NULL, first_id INTEGER NOT NULL, last_id INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS episodes (episode_id TEXT PRIMARY KEY, next_seq INTEGER NOT NULL, touched REAL NOT NULL);
+"""
 
 
 def pack_ids(values: list[int]) -> bytes:
-    return array("i", values).tobytes()
+    packed = array("i", values)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
 
 
 def pack_floats(values: list[float]) -> bytes:
-    return array("f", values).tobytes()
+    packed = array("f", values)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
 
 
 def now_us() -> int:
     return time.time_ns() // 1000
-
-
-class Segment:
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.file = path.open("ab", buffering=0)
-        self.rows = 0
-        self.bytes = self.file.tell()
-        self.opened = time.monotonic()
-
-    def append(self, payload: bytes) -> None:
-        self.file.write(_FRAME.pack(len(payload), zlib.adler32(payload)) + payload)  # one syscall per record
-        self.rows += 1
-        self.bytes += _FRAME.size + len(payload)
-
-
-def read_segment(path: Path) -> list[dict[str, Any]]:
-    """The complete records of a segment; a torn or corrupt tail (a crash mid-write) ends it."""
-    data = path.read_bytes()
-    rows, offset = [], 0
-    while offset + _FRAME.size <= len(data):
-        length, checksum = _FRAME.unpack_from(data, offset)
-        payload = data[offset + _FRAME.size : offset + _FRAME.size + length]
-        if len(payload) < length or zlib.adler32(payload) != checksum:
-            log.warning("%s: torn record at byte %d (a crash mid-write); the records before it are kept", path, offset)
-            break
-        rows.append(marshal.loads(payload))
-        offset += _FRAME.size + length
-    return rows
 
 
 def rows_to_table(rows: list[dict[str, Any]], table: str) -> pa.Table:
@@ -104,6 +114,11 @@ def rows_to_table(rows: list[dict[str, Any]], table: str) -> pa.Table:
     return pa.Table.from_pydict(columns, schema=schema)
 
 
+def _day(row: dict[str, Any]) -> str:
+    stamp = row.get("started_at") or row.get("at") or now_us()
+    return datetime.fromtimestamp(stamp / 1e6, UTC).strftime("%Y-%m-%d")
+
+
 class RecordWriter:
     """Append records (any thread, never blocks on the store); a background thread flushes them as Parquet."""
 
@@ -111,90 +126,115 @@ class RecordWriter:
         self,
         wal_dir: Path,
         store: Store,
-        sidecar_id: str,
         metrics: Metrics,
         max_rows: int = 2000,
         max_bytes: int = 64 << 20,
         max_age_s: float = 5.0,
         max_disk_bytes: int = 4 << 30,
+        fsync: str = "interval",
     ) -> None:
+        if fsync not in FSYNC_POLICIES:
+            raise ValueError(f"fsync policy {fsync!r}: use one of {', '.join(FSYNC_POLICIES)}")
         self.wal_dir = wal_dir
         self.store = store
-        self.sidecar_id = sidecar_id
         self.metrics = metrics
         self.max_rows, self.max_bytes, self.max_age_s = max_rows, max_bytes, max_age_s
         self.max_disk_bytes = max_disk_bytes
+        self.fsync = fsync
         self.lock = threading.Lock()
         self.wake = threading.Event()
         self.stopping = threading.Event()
-        self.current: dict[str, Segment] = {}
-        self.next_number: dict[str, int] = defaultdict(int)
-        self.closed_bytes = 0
         self.backoff_until = 0.0
         self.backoff_s = 0.5
+        self.last_checkpoint = time.monotonic()
+        self.held: dict[int, float] = {}  # row id -> until when it waits for ``complete``
         self.thread = threading.Thread(target=self._run, name="forge-flusher", daemon=True)
         wal_dir.mkdir(parents=True, exist_ok=True)
-        left = self._closed_segments()  # left by an earlier run: replayed first
-        for path in left:
-            table, number = path.stem.rsplit("-", 1)
-            self.next_number[table] = max(self.next_number[table], int(number) + 1)
-            self.closed_bytes += path.stat().st_size
-        self.metrics.set("wal_segments_replayed", len(left))
+        self.db = open_wal(wal_dir, fsync)
+        self.pending_bytes = 0
+        self.sidecar_id = self._meta("sidecar_id") or self._new_identity()
+        imported = import_legacy_segments(wal_dir, self)
+        with self.lock:
+            self.pending_bytes = self.db.execute("SELECT COALESCE(SUM(size), 0) FROM records").fetchone()[0]
+            left = self.db.execute("SELECT COUNT(*) FROM records").fetchone()[0]
+        self.metrics.set("wal_records_replayed", left)
+        if left:
+            log.info("replaying %d records left in the write-ahead log (%d from an earlier release)", left, imported)
+
+    # -- identity and call order ------------------------------------------------------------------------------
+    def _meta(self, key: str) -> str | None:
+        with self.lock:
+            found = self.db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return found[0] if found else None
+
+    def _new_identity(self) -> str:
+        base = os.environ.get("POD_NAME") or os.uname().nodename
+        identity = f"{''.join(c if c.isalnum() or c in '-_' else '-' for c in base)}-{os.urandom(4).hex()}"
+        with self.lock:
+            self.db.execute("INSERT INTO meta VALUES ('sidecar_id', ?)", (identity,))
+        return identity
+
+    def next_seq(self, episode_id: str) -> int:
+        """The episode's next call number, persisted: a restarted sidecar goes on counting where it stopped."""
+        with self.lock:
+            (seq,) = self.db.execute(
+                "INSERT INTO episodes VALUES (?, 1, ?) ON CONFLICT (episode_id) DO UPDATE "
+                "SET next_seq = next_seq + 1, touched = excluded.touched RETURNING next_seq - 1",
+                (episode_id, time.time()),
+            ).fetchone()
+        return int(seq)
 
     # -- writing ----------------------------------------------------------------------------------------------
-    def append(self, table: str, row: dict[str, Any]) -> bool:
-        """Log one record durably. False (and a metric) when the disk bound is reached: the record is dropped."""
-        payload = marshal.dumps(row)
+    def append(self, table: str, row: dict[str, Any], hold: bool = False) -> int | None:
+        """Log one record durably; its WAL row id, or None (and a metric) when the disk bound is reached: the
+        record is dropped. ``hold``: a value of the record is still to come (``complete``); the row waits for it,
+        at most ``HOLD_S``, before it goes into a batch."""
+        fields = {k: v for k, v in row.items() if k not in _RAW}
+        text = json.dumps(fields, ensure_ascii=False, separators=(",", ":"), default=str)
+        raw = [row.get(name) for name in _BLOBS] + [_text_or_none(row.get(name)) for name in _TEXTS]
+        size = len(text) + sum(len(value) for value in raw if value)
         with self.lock:
-            segment = self.current.get(table)
-            in_use = self.closed_bytes + sum(s.bytes for s in self.current.values())
-            if in_use + len(payload) > self.max_disk_bytes:
+            if self.pending_bytes + size > self.max_disk_bytes:
                 self.metrics.inc("records_dropped_total")
                 if self.metrics.get("records_dropped_total") % 100 == 1:
                     log.error(
                         "record dropped: the write-ahead log holds %d bytes, over its bound of %d (the store is "
                         "unreachable or too slow); the harness's call was not affected",
-                        in_use,
+                        self.pending_bytes,
                         self.max_disk_bytes,
                     )
-                return False
-            if segment is None:
-                segment = self._open_segment(table)
-            segment.append(payload)
-            self.metrics.inc(f'records_logged_total{{table="{table}"}}')
-            if segment.rows >= self.max_rows or segment.bytes >= self.max_bytes:
-                self._rotate(table)
-                self.wake.set()
-        return True
+                return None
+            row_id = int(
+                self.db.execute(
+                    f"INSERT INTO records (tbl, size, logged_at, fields, {', '.join(_RAW)}) "
+                    f"VALUES ({', '.join('?' * 9)})",
+                    (table, size, time.time(), text, *raw),
+                ).lastrowid
+                or 0
+            )
+            self.pending_bytes += size
+            if hold:
+                self.held[row_id] = time.monotonic() + HOLD_S
+        self.metrics.inc(f'records_logged_total{{table="{table}"}}')
+        return row_id
 
-    def _open_segment(self, table: str) -> Segment:
-        number = self.next_number[table]
-        self.next_number[table] += 1
-        segment = Segment(self.wal_dir / f"{table}-{number:08d}.open")
-        self.current[table] = segment
-        return segment
+    def complete(self, row_id: int, values: dict[str, Any]) -> None:
+        """Set values of a held row (e.g. the weight version asked after the call) and release it."""
+        with self.lock:
+            if self.held.pop(row_id, None) is None:
+                self.metrics.inc("records_completed_late_total")  # already batched: the values stay unknown
+                return
+            found = self.db.execute("SELECT fields FROM records WHERE id = ?", (row_id,)).fetchone()
+            if found:
+                fields = {**json.loads(found[0]), **values}
+                self.db.execute("UPDATE records SET fields = ? WHERE id = ?", (json.dumps(fields, default=str), row_id))
 
-    def _rotate(self, table: str) -> None:
-        segment = self.current.pop(table, None)
-        if segment is None:
-            return
-        segment.file.close()
-        if segment.rows == 0:
-            segment.path.unlink(missing_ok=True)
-            return
-        segment.path.rename(segment.path.with_suffix(".wal"))
-        self.closed_bytes += segment.bytes
+    def pending(self) -> int:
+        """Records not yet in the store."""
+        with self.lock:
+            return int(self.db.execute("SELECT COUNT(*) FROM records").fetchone()[0])
 
-    def _closed_segments(self) -> list[Path]:
-        # An ".open" segment left by a crash is as good as closed: its complete records are replayed.
-        return sorted(
-            list(self.wal_dir.glob("*.wal")) + [p for p in self.wal_dir.glob("*.open") if p not in self._open_paths()]
-        )
-
-    def _open_paths(self) -> set[Path]:
-        return {s.path for s in self.current.values()}
-
-    # -- flushing ---------------------------------------------------------------------------------------------
+    # -- batching and flushing --------------------------------------------------------------------------------
     def start(self) -> "RecordWriter":
         self.thread.start()
         return self
@@ -203,24 +243,75 @@ class RecordWriter:
         while not self.stopping.is_set():
             self.wake.wait(0.2)
             self.wake.clear()
-            with self.lock:
-                for table, segment in list(self.current.items()):
-                    if segment.rows and time.monotonic() - segment.opened >= self.max_age_s:
-                        self._rotate(table)
-            if time.monotonic() >= self.backoff_until:
-                self.flush_closed()
-
-    def flush_closed(self) -> bool:
-        """Write every closed segment to the store; True when none is left."""
-        with self.lock:
-            segments = self._closed_segments()
-        for path in segments:
             try:
-                self._flush_segment(path)
-            except Exception as error:  # the store is down or refuses: keep the segment, retry later
+                self.cut_batches()
+                if time.monotonic() >= self.backoff_until:
+                    self.flush_batches()
+                self._housekeeping()
+            except Exception as error:  # never let the flusher die: the next tick retries
+                self.metrics.inc("internal_errors_total")
+                log.error("the flusher failed (%s: %s); retrying", type(error).__name__, error)
+                self.stopping.wait(1.0)
+
+    def _housekeeping(self) -> None:
+        if self.fsync == "interval" and time.monotonic() - self.last_checkpoint >= CHECKPOINT_INTERVAL_S:
+            with self.lock:  # a checkpoint syncs the journal: commits before it survive a machine crash
+                self.db.execute("PRAGMA wal_checkpoint(PASSIVE)")
+                self.db.execute(
+                    "DELETE FROM episodes WHERE episode_id IN (SELECT episode_id FROM episodes ORDER BY touched DESC "
+                    "LIMIT -1 OFFSET ?)",
+                    (MAX_EPISODE_COUNTERS,),
+                )
+            self.last_checkpoint = time.monotonic()
+
+    def cut_batches(self, everything: bool = False) -> None:
+        """Close the pending rows of each table into batches: by rows, bytes or age (``everything``: all now)."""
+        with self.lock:
+            for (table,) in self.db.execute("SELECT DISTINCT tbl FROM records").fetchall():
+                now = time.monotonic()
+                for row_id in [r for r, until in self.held.items() if until <= now or everything]:
+                    del self.held[row_id]  # its value never came: it goes on without it
+                    self.metrics.inc("records_hold_expired_total")
+                below = min(self.held, default=1 << 62)  # rows stay in order: nothing at or past a held row
+                while True:
+                    after = int(self._meta_locked(f"batched:{table}") or 0)
+                    rows = self.db.execute(
+                        "SELECT id, size, logged_at FROM records WHERE tbl = ? AND id > ? AND id < ? ORDER BY id "
+                        "LIMIT ?",
+                        (table, after, below, self.max_rows),
+                    ).fetchall()
+                    if not rows:
+                        break
+                    total, last = 0, rows[0][0]
+                    for row_id, size, _ in rows:
+                        if total and total + size > self.max_bytes:
+                            break
+                        total, last = total + size, row_id
+                    full = len(rows) >= self.max_rows or total >= self.max_bytes or last != rows[-1][0]
+                    if not (everything or full or time.time() - rows[0][2] >= self.max_age_s):
+                        break
+                    with self.db:  # one transaction: the batch and its cursor
+                        self.db.execute(
+                            "INSERT INTO batches (tbl, first_id, last_id) VALUES (?, ?, ?)", (table, rows[0][0], last)
+                        )
+                        self.db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (f"batched:{table}", str(last)))
+
+    def _meta_locked(self, key: str) -> str | None:
+        found = self.db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return found[0] if found else None
+
+    def flush_batches(self) -> bool:
+        """Write every closed batch to the store; True when none is left."""
+        with self.lock:
+            batches = self.db.execute("SELECT number, tbl, first_id, last_id FROM batches ORDER BY number").fetchall()
+        for number, table, first, last in batches:
+            try:
+                self._flush_batch(number, table, first, last)
+            except Exception as error:  # the store is down or refuses: keep the batch, retry later
                 self.metrics.inc("store_write_errors_total")
                 self.metrics.set("store_up", 0)
-                log.error("could not write %s to the store (%s); retrying in %.1f s", path.name, error, self.backoff_s)
+                log.error("could not write batch %d to the store (%s); retrying in %.1f s", number, error,
+                          self.backoff_s)  # fmt: skip
                 self.backoff_until = time.monotonic() + self.backoff_s
                 self.backoff_s = min(self.backoff_s * 2, 30.0)
                 return False
@@ -228,48 +319,140 @@ class RecordWriter:
         self.metrics.set("store_up", 1)
         return True
 
-    def _flush_segment(self, path: Path) -> None:
-        table, number = path.stem.rsplit("-", 1)
-        rows = read_segment(path)
+    def _read_batch(self, table: str, first: int, last: int) -> list[dict[str, Any]]:
+        with self.lock:
+            found = self.db.execute(
+                f"SELECT fields, {', '.join(_RAW)} FROM records WHERE tbl = ? AND id BETWEEN ? AND ? ORDER BY id",
+                (table, first, last),
+            ).fetchall()
+        return [{**json.loads(fields), **dict(zip(_RAW, raw, strict=True))} for fields, *raw in found]
+
+    def _flush_batch(self, number: int, table: str, first: int, last: int) -> None:
+        rows = self._read_batch(table, first, last)
         groups: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
         for row in rows:
-            stamp = row.get("started_at") or row.get("at") or now_us()
-            day = datetime.fromtimestamp(stamp / 1e6, UTC).strftime("%Y-%m-%d")
-            groups[(row.get("run_id") or "default", day)].append(row)
+            groups[(str(row.get("run_id") or "default"), _day(row))].append(row)
+        written = 0
         for (run, day), group in sorted(groups.items()):
-            name = f"{table}/run={run}/date={day}/{self.sidecar_id}-{table}-{number}.parquet"
-            self.store.write_parquet(name, rows_to_table(group, table))
-        size = path.stat().st_size
-        path.unlink()
-        with self.lock:
-            self.closed_bytes = max(0, self.closed_bytes - size)
+            name = f"{table}/run={run}/date={day}/{self.sidecar_id}-{table}-b{number:08d}.parquet"
+            arrow = self._convert(group, table, f"{table}-b{number:08d}-{run}-{day}")
+            if arrow is not None and arrow.num_rows:
+                if not self.store.write_parquet_new(name, arrow):
+                    log.info("%s is already in the store (written before a restart): kept as it is", name)
+                written += 1
+        with self.lock, self.db:  # the rows leave the WAL only now, in one transaction
+            self.db.execute("DELETE FROM records WHERE tbl = ? AND id BETWEEN ? AND ?", (table, first, last))
+            self.db.execute("DELETE FROM batches WHERE number = ?", (number,))
+            self.pending_bytes = self.db.execute("SELECT COALESCE(SUM(size), 0) FROM records").fetchone()[0]
         self.metrics.inc(f'records_stored_total{{table="{table}"}}', len(rows))
-        self.metrics.inc("files_written_total", len(groups))
+        self.metrics.inc("files_written_total", written)
+
+    def _convert(self, rows: list[dict[str, Any]], table: str, label: str) -> pa.Table | None:
+        """Rows to Arrow; rows that cannot be converted go to the quarantine folder, the others on."""
+        try:
+            return rows_to_table(rows, table)
+        except (pa.ArrowException, TypeError, ValueError, OverflowError):
+            pass
+        good, bad = [], []
+        for row in rows:
+            try:
+                rows_to_table([row], table)
+                good.append(row)
+            except (pa.ArrowException, TypeError, ValueError, OverflowError) as error:
+                bad.append((row, f"{type(error).__name__}: {error}"))
+        folder = self.wal_dir / "quarantine"
+        folder.mkdir(exist_ok=True)
+        with (folder / f"{label}.jsonl").open("a") as out:
+            for row, reason in bad:
+                out.write(json.dumps({"reason": reason, "row": _jsonable(row)}, default=str) + "\n")
+        self.metrics.inc("records_quarantined_total", len(bad))
+        log.error(
+            "%d record(s) of %s could not be converted to Parquet (first: %s); moved to %s, the others go on",
+            len(bad), label, bad[0][1], folder,
+        )  # fmt: skip
+        return rows_to_table(good, table) if good else None
 
     def close(self, timeout_s: float = 10.0) -> bool:
-        """Rotate and flush everything (SIGTERM); what the store does not take in time stays in the WAL."""
+        """Batch and flush everything (SIGTERM); what the store does not take in time stays in the WAL."""
         self.stopping.set()
         if self.thread.is_alive():
-            self.thread.join(timeout=2.0)
-        with self.lock:
-            for table in list(self.current):
-                self._rotate(table)
+            self.thread.join(timeout=5.0)
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.flush_closed():
-                return True
+        while self.held and time.monotonic() < min(deadline, time.monotonic() + HOLD_S):  # values on their way
+            time.sleep(0.02)
+        done = False
+        while True:
+            self.cut_batches(everything=True)
+            if self.flush_batches():
+                done = True
+                break
+            if time.monotonic() >= deadline:
+                break
             time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
-        log.error("shutting down with records not yet in the store: they stay in %s and are replayed", self.wal_dir)
-        return False
+        with self.lock:
+            self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        if not done:
+            log.error("shutting down with records not yet in the store: they stay in %s and are replayed", self.wal_dir)
+        return done
 
 
-def sidecar_identity(wal_dir: Path) -> str:
-    """A stable id per WAL folder (so a restarted sidecar replays under its own name), unique per sidecar."""
-    wal_dir.mkdir(parents=True, exist_ok=True)
-    marker = wal_dir / "sidecar-id"
-    if marker.exists():
-        return marker.read_text().strip()
-    base = os.environ.get("POD_NAME") or os.uname().nodename
-    identity = f"{''.join(c if c.isalnum() or c in '-_' else '-' for c in base)}-{os.urandom(3).hex()}"
-    marker.write_text(identity)
-    return identity
+def open_wal(wal_dir: Path, fsync: str = "interval") -> sqlite3.Connection:
+    db = sqlite3.connect(wal_dir / WAL_FILE, isolation_level=None, check_same_thread=False, timeout=30.0)
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute(f"PRAGMA synchronous={FSYNC_POLICIES[fsync]}")
+    db.executescript(_SCHEMA)
+    return db
+
+
+def pending_records(wal_dir: Path) -> int:
+    """Records a stopped sidecar left in its WAL (0 when there is none): what a restart will replay."""
+    if not (wal_dir / WAL_FILE).exists():
+        return 0
+    db = sqlite3.connect(f"file:{wal_dir / WAL_FILE}?mode=ro", uri=True, timeout=10.0)
+    try:
+        return int(db.execute("SELECT COUNT(*) FROM records").fetchone()[0])
+    finally:
+        db.close()
+
+
+def _text_or_none(value: Any) -> str | None:
+    return value if isinstance(value, str) or value is None else json.dumps(value, default=str)
+
+
+def _jsonable(row: dict[str, Any]) -> dict[str, Any]:
+    return {k: base64.b64encode(v).decode() if isinstance(v, bytes) else v for k, v in row.items()}
+
+
+# -- the previous release's WAL: marshal frames in <table>-<n>.wal/.open files, replayed once into SQLite --------
+_LEGACY_FRAME = struct.Struct("<II")  # payload length, adler32
+
+
+def read_legacy_segment(path: Path) -> list[dict[str, Any]]:
+    """The complete records of a segment the previous release wrote; a torn frame ends it."""
+    data = path.read_bytes()
+    rows, offset = [], 0
+    while offset + _LEGACY_FRAME.size <= len(data):
+        length, checksum = _LEGACY_FRAME.unpack_from(data, offset)
+        payload = data[offset + _LEGACY_FRAME.size : offset + _LEGACY_FRAME.size + length]
+        if len(payload) < length or zlib.adler32(payload) != checksum:
+            log.warning("%s: torn record at byte %d; the records before it are kept", path, offset)
+            break
+        rows.append(marshal.loads(payload))
+        offset += _LEGACY_FRAME.size + length
+    return rows
+
+
+def import_legacy_segments(wal_dir: Path, writer: RecordWriter) -> int:
+    """Move the previous release's segments into the SQLite WAL (then delete them); the number of records."""
+    count = 0
+    for path in sorted([*wal_dir.glob("*.wal"), *wal_dir.glob("*.open")]):
+        table = path.stem.rsplit("-", 1)[0]
+        if table not in TABLES:
+            continue
+        for row in read_legacy_segment(path):
+            writer.append(table, row)
+            count += 1
+        with writer.lock:
+            writer.db.execute("PRAGMA wal_checkpoint(FULL)")  # imported rows on disk before the old file goes
+        path.unlink()
+    return count

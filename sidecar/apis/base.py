@@ -18,6 +18,11 @@ from typing import Any
 
 from sidecar.sse import rewrite_event
 
+# vLLM writes a logprob it does not have, and -inf, as max(x, -9999.0) (chat's field default is -9999.0 too),
+# Completions a missing one as null, and NaN logits pass through as NaN. None of these is a sampled token's
+# logprob (a token at or below -9999 nats is never sampled).
+VLLM_LOGPROB_FLOOR = -9999.0
+
 
 @dataclass
 class Sampled:
@@ -25,6 +30,8 @@ class Sampled:
 
     prompt_ids: list[int] | None = None
     completion_ids: list[int] = field(default_factory=list)
+    # One per completion id: the behaviour logprob; NaN where the upstream gives none by design (the record's
+    # ``note`` says why); -inf where it gave an invalid one (``problem`` turns the call into an error).
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     usage: dict[str, Any] | None = None
@@ -32,11 +39,35 @@ class Sampled:
     response_id: str | None = None
     n_choices: int = 0
     note: str | None = None  # what the record must say about these ids (e.g. logprobs the upstream did not give)
+    error: str | None = None  # the ids and logprobs cannot be trusted as recorded (e.g. not alignable): why
+    upstream_error: str | None = None  # the upstream ended the answer with an error (a failed stream): its words
+
+    def problem(self) -> str | None:
+        """Why this answer cannot be recorded as ``ok`` (None: it can). Invalid logprobs become NaN (unknown)."""
+        if self.error:
+            return self.error
+        invalid = [i for i, value in enumerate(self.logprobs) if value == -math.inf]
+        if invalid:
+            self.logprobs = [math.nan if value == -math.inf else value for value in self.logprobs]
+            shown = ", ".join(map(str, invalid[:10])) + (", ..." if len(invalid) > 10 else "")
+            return (
+                f"the upstream gave no valid logprob (null, -inf/{VLLM_LOGPROB_FLOOR:g} or NaN) for {len(invalid)} "
+                f"of {len(self.logprobs)} sampled ids, at completion position(s) {shown}"
+            )
+        if len(self.logprobs) != len(self.completion_ids):
+            given = len(self.logprobs)
+            self.logprobs = [math.nan] * len(self.completion_ids)
+            return f"{given} logprobs for {len(self.completion_ids)} completion ids: they cannot be aligned"
+        return None
 
 
 def logprob(value: Any) -> float:
-    """A logprob as vLLM wrote it; null (it writes -inf as null) is kept as -inf, never a crash."""
-    return float(value) if value is not None else -math.inf
+    """A sampled token's logprob as vLLM wrote it; anything that is not one (null, vLLM's -9999.0 floor, NaN, a
+    non-number) is kept as -inf, never a crash, and ``Sampled.problem`` reports it."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return -math.inf
+    value = float(value)
+    return value if math.isfinite(value) and value > VLLM_LOGPROB_FLOOR else -math.inf
 
 
 def clear(obj: dict[str, Any], key: str, value: Any = None) -> bool:

@@ -123,7 +123,10 @@ class StreamState(DataStream):
         if not isinstance(chunk, dict):
             return data
         self._gather(chunk)
-        if "error" in chunk and "choices" not in chunk:
+        if "error" in chunk and "choices" not in chunk:  # vLLM ends a failed stream with an error event
+            failure = chunk["error"]
+            message = failure.get("message") if isinstance(failure, dict) else failure
+            self.sampled.upstream_error = f"the stream ended with an error event: {message}"
             return data
         if not self.added.harness_usage and not chunk.get("choices") and chunk.get("usage") is not None:
             return None  # the usage chunk exists only because we asked for it

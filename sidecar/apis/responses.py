@@ -3,15 +3,27 @@
 
 vLLM gives the token ids of the rendered prompt (``input_messages[].tokens``) and of the sampled output
 (``output_messages[].tokens``) in the whole answer, and when streaming only in ``response.completed``: a stream
-cut before that event has text and logprobs but no ids. Logprobs come for output text only: an answer with a
-``function_call`` item records its ids with NaN logprobs, and a stream's final response lacks the end-of-turn
-token's logprob (NaN); the record's ``note`` says so. Ids are always exact; a NaN logprob means "not given".
+cut before that event has text and logprobs but no ids.
+
+Logprobs come only inside ``message`` items' ``output_text`` parts, and how many depends on the path (vLLM 0.32,
+``responses/serving.py``, one ``output_messages`` entry holding every sampled id):
+- whole answer: the message's part carries the logprobs of *every* sampled id, the function-call text and the
+  end-of-turn id included; an answer without text (only a ``function_call``) carries none;
+- stream: each text delta carries the logprobs of the ids sampled in its step; steps the tool parser swallows
+  (function-call text) or that add no text (the end of turn) carry none, so the final message holds those of
+  the text ids only.
+They are aligned here, never guessed: as many logprobs as ids is one each, in order; fewer must belong to the
+first ids, which is checked by their tokens spelling the start of the output text (``output_messages[].message``);
+the rest are NaN (not given), and the record's ``note`` says so. Logprobs that cannot be placed so (a gap in the
+middle, more logprobs than ids, text that does not match) make the call an error that says why.
+``response.failed`` and ``error`` events are the upstream's failure: recorded as such, never ``ok``.
 What the harness gets is what vLLM writes when not asked: message lists null, delta logprobs ``[]``, the
 logprobs of finished text parts null, ``top_logprobs`` null.
 """
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +31,8 @@ from sidecar.apis.base import DataStream, Sampled, clear, compact, logprob
 
 PATHS = ("/v1/responses", "/responses")
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
-NO_LOGPROBS_NOTE = "vLLM gives no logprobs for function-call output: completion_logprobs are NaN"
+NO_LOGPROBS_NOTE = "vLLM gave no logprobs for this output (function-call output has none): completion_logprobs NaN"
+FAILED_EVENTS = ("response.failed", "error")
 
 
 @dataclass
@@ -77,6 +90,57 @@ def strip_response(response: dict[str, Any], added: Additions) -> bool:
     return changed
 
 
+def _logprob_entries(response: dict[str, Any]) -> list[Any]:
+    """The logprob entries of the output text, in output order."""
+    return [
+        entry
+        for item in response.get("output") or []
+        if isinstance(item, dict) and item.get("type") == "message"
+        for content in item.get("content") or []
+        if isinstance(content, dict) and content.get("type") == "output_text"
+        for entry in content.get("logprobs") or []
+    ]
+
+
+def _spells_the_start(tokens: list[Any], text: str) -> bool:
+    """Do these tokens, in order and without a gap, spell the start of ``text``? A token decoded alone may show a
+    partial UTF-8 character as U+FFFD: that matches at most one non-ASCII character."""
+    if not all(isinstance(token, str) for token in tokens):
+        return False
+    pattern = "".join("[^\\x00-\\x7f]?".join(map(re.escape, token.split("\ufffd"))) for token in tokens)
+    return re.match(pattern, text) is not None
+
+
+def align_logprobs(entries: list[Any], ids: int, text: str | None) -> tuple[list[float], str | None, str | None]:
+    """(logprobs, note, error): one logprob per id, NaN where none was given; an error where they cannot be placed."""
+    values = [logprob(entry.get("logprob") if isinstance(entry, dict) else None) for entry in entries]
+    if not values:
+        return [math.nan] * ids, (NO_LOGPROBS_NOTE if ids else None), None
+    if len(values) == ids:
+        return values, None, None
+    if len(values) > ids:
+        return [math.nan] * ids, None, f"{len(values)} logprobs for {ids} output ids: they cannot be aligned"
+    tokens = [entry.get("token") if isinstance(entry, dict) else None for entry in entries]
+    if text is None or not _spells_the_start(tokens, text):
+        return [math.nan] * ids, None, (
+            f"{len(values)} logprobs for {ids} output ids, and their tokens do not spell the start of the output "
+            "text: which ids they belong to cannot be established"
+        )  # fmt: skip
+    note = (f"vLLM gave logprobs for the first {len(values)} of {ids} ids (the output text); the last "
+            f"{ids - len(values)} (function-call text, end of turn) are NaN")  # fmt: skip
+    return values + [math.nan] * (ids - len(values)), note, None
+
+
+def failure_message(event: dict[str, Any]) -> str:
+    """The upstream's words for a failed answer (``response.failed``'s ``response.error``, or an ``error`` event)."""
+    response = event.get("response")
+    failure = (response.get("error") if isinstance(response, dict) else None) or event.get("error") or event
+    if isinstance(failure, dict):
+        code, message = failure.get("code"), failure.get("message")
+        return f"{event.get('type')}: {code}: {message}" if code else f"{event.get('type')}: {message}"
+    return f"{event.get('type')}: {failure}"
+
+
 def sampled_from_response(response: dict[str, Any]) -> Sampled:
     inputs = response.get("input_messages") or []
     outputs = response.get("output_messages") or []
@@ -84,28 +148,9 @@ def sampled_from_response(response: dict[str, Any]) -> Sampled:
     if inputs:
         prompt = [token for message in inputs for token in message.get("tokens") or []]
     completion = [token for message in outputs for token in message.get("tokens") or []]
-    logprobs = [
-        logprob(entry.get("logprob"))
-        for item in response.get("output") or []
-        if item.get("type") == "message"
-        for content in item.get("content") or []
-        if content.get("type") == "output_text"
-        for entry in content.get("logprobs") or []
-    ]
-    note = None
-    missing = len(completion) - len(logprobs)
-    if any(item.get("type") == "function_call" for item in response.get("output") or []):
-        note, logprobs = NO_LOGPROBS_NOTE, [math.nan] * len(completion)
-    elif missing > 0:  # a stream's final response lacks the end-of-turn token's logprob
-        note, logprobs = (
-            f"vLLM gave no logprob for the last {missing} of {len(completion)} ids: NaN",
-            logprobs + [math.nan] * missing,
-        )
-    elif missing < 0:
-        note, logprobs = (
-            f"{len(logprobs)} logprobs for {len(completion)} ids: completion_logprobs left NaN",
-            [math.nan] * len(completion),
-        )
+    texts = [message.get("message") for message in outputs]
+    text = "".join(texts) if all(isinstance(t, str) for t in texts) else None  # harmony models: not raw text
+    logprobs, note, error = align_logprobs(_logprob_entries(response), len(completion), text)
     details = response.get("incomplete_details") or {}
     return Sampled(
         prompt_ids=prompt,
@@ -117,6 +162,10 @@ def sampled_from_response(response: dict[str, Any]) -> Sampled:
         response_id=response.get("id"),
         n_choices=1,
         note=note,
+        error=error,
+        upstream_error=failure_message({"type": "response.failed", "response": response})
+        if response.get("status") == "failed"
+        else None,
     )
 
 
@@ -163,6 +212,9 @@ class StreamState(DataStream):
                 self.sampled = sampled_from_response(response)
                 self.done = True
             changed = strip_response(response, self.added) or changed
+        if kind in FAILED_EVENTS:  # the answer ends with the upstream's failure: recorded as that, never ok
+            self.sampled.upstream_error = failure_message(event)
+            self.done = True
         for key in ("part", "item"):
             holder = event.get(key)
             if isinstance(holder, dict):

@@ -47,9 +47,18 @@ class Sidecar:
             name.removeprefix("forge_sidecar_"): float(value) for name, value in (line.rsplit(" ", 1) for line in lines)
         }
 
-    def post_admin(self, path: str, payload: object) -> tuple[int, dict]:
+    def reward_token(self) -> str:
+        """The token the sidecar wrote (no --reward-token-file given): what a verifier reads."""
+        return (self.wal_dir / "reward-token").read_text().strip()
+
+    def post_admin(self, path: str, payload: object, token: str | None = "") -> tuple[int, dict]:
+        """POST to the admin endpoint with the sidecar's reward token ("": the one it wrote; None: none)."""
+        headers = {"authorization": f"Bearer {token or self.reward_token()}"} if token is not None else {}
         request = urllib.request.Request(
-            f"http://127.0.0.1:{self.admin_port}{path}", data=json.dumps(payload).encode(), method="POST"
+            f"http://127.0.0.1:{self.admin_port}{path}",
+            data=json.dumps(payload).encode(),
+            method="POST",
+            headers=headers,
         )
         try:
             with urllib.request.urlopen(request, timeout=5) as answer:

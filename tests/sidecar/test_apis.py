@@ -52,31 +52,117 @@ def test_responses_prepare_asks_for_ids_and_logprobs_and_keeps_the_harness_inclu
     assert not added.harness_logprobs and not added.harness_messages
 
 
-def whole_response(logprobs: list[float], tokens: list[int], function_call: bool = False) -> dict:
+def whole_response(
+    logprobs: list[float | None], tokens: list[int], function_call: bool = False, texts: list[str] | None = None,
+    output_text: str | None = None,
+) -> dict:  # fmt: skip
+    """A Responses answer as vLLM 0.32 writes it: one output message with every id, the text's logprobs in a
+    message item (``texts``: each logprob's token, default "x")."""
+    texts = texts or ["x"] * len(logprobs)
     output: list[dict] = [{"type": "message", "content": [{"type": "output_text", "text": "hi", "logprobs": [
-        {"token": "x", "logprob": lp, "top_logprobs": []} for lp in logprobs]}]}]  # fmt: skip
+        {"token": t, "logprob": lp, "top_logprobs": []} for t, lp in zip(texts, logprobs, strict=True)]}]}]  # fmt: skip
     if function_call:
         output.append({"type": "function_call", "name": "f", "arguments": "{}", "call_id": "c1"})
+    raw = output_text if output_text is not None else "x" * len(tokens)
     return {"id": "resp_1", "model": "m", "status": "completed", "top_logprobs": 0, "output": output,
-            "input_messages": [{"tokens": [1, 2, 3]}], "output_messages": [{"tokens": tokens}]}  # fmt: skip
+            "input_messages": [{"tokens": [1, 2, 3]}],
+            "output_messages": [{"message": raw, "tokens": tokens}]}  # fmt: skip
 
 
 def test_responses_whole_answer_gives_ids_and_hides_them():
     added = responses.prepare_request("responses", {"input": "hi"})
     sampled, answer = responses.finish(added, whole_response([-0.5, -0.25], [7, 8]))
     assert sampled.prompt_ids == [1, 2, 3] and sampled.completion_ids == [7, 8]
-    assert sampled.logprobs == [-0.5, -0.25] and sampled.note is None
+    assert sampled.logprobs == [-0.5, -0.25] and sampled.note is None and sampled.problem() is None
     assert answer["input_messages"] is None and answer["output_messages"] is None and answer["top_logprobs"] is None
     assert answer["output"][0]["content"][0]["logprobs"] is None
 
 
-def test_responses_without_logprobs_for_some_ids_say_so_and_keep_them_aligned():
-    added = responses.prepare_request("responses", {"input": "hi"})
-    sampled, _ = responses.finish(added, whole_response([-0.5], [7, 2]))  # end-of-turn logprob not given
-    assert sampled.logprobs[0] == -0.5 and math.isnan(sampled.logprobs[1]) and "last 1 of 2" in (sampled.note or "")
-    sampled, _ = responses.finish(added, whole_response([-0.5], [7, 8, 9], function_call=True))
+# What vLLM 0.32 answers for "Let me check. <tool_call>...</tool_call>" (studied on the real server: the whole
+# answer's message carries the logprobs of all ids; the stream's only those of the steps that produced text).
+SPOKEN = ["Let", " me", " check", ".", " <"]
+CALL = ["tool", "_", "call", ">", '{"', "name", '":', ' "', "f", '"}', "</", "tool", "_", "call", ">"]
+RAW = "".join(SPOKEN + CALL)  # the output text vLLM keeps (the end-of-turn id adds none)
+IDS = list(range(100, 100 + len(SPOKEN) + len(CALL) + 1))  # + <|im_end|>
+
+
+def test_responses_text_and_function_call_whole_every_id_gets_its_own_logprob():
+    values = [-0.1 * (i + 1) for i in range(len(IDS))]
+    answer = whole_response(values, IDS, function_call=True, texts=[*SPOKEN, *CALL, "<|im_end|>"], output_text=RAW)
+    sampled, _ = responses.finish(responses.prepare_request("responses", {"input": "hi"}), answer)
+    assert sampled.logprobs == pytest.approx(values) and sampled.note is None and sampled.problem() is None
+
+
+def test_responses_text_and_function_call_streamed_the_text_ids_get_theirs_the_rest_nan():
+    values = [-0.1 * (i + 1) for i in range(len(SPOKEN))]
+    answer = whole_response(values, IDS, function_call=True, texts=SPOKEN, output_text=RAW)
+    sampled, _ = responses.finish(responses.prepare_request("responses", {"input": "hi"}), answer)
+    assert sampled.logprobs[: len(SPOKEN)] == pytest.approx(values)  # position by position, not shifted
+    assert all(math.isnan(x) for x in sampled.logprobs[len(SPOKEN) :]) and len(sampled.logprobs) == len(IDS)
+    assert f"first {len(SPOKEN)} of {len(IDS)}" in (sampled.note or "") and sampled.problem() is None
+
+
+def test_responses_logprobs_missing_in_the_middle_are_an_error_never_shifted():
+    """A step the parser held back (no logprob) then text again: which ids the later logprobs are for is unknown."""
+    gap = ["Let", " me", ".", " <"]  # " check" has no logprob
+    answer = whole_response([-0.1] * len(gap), IDS, texts=gap, output_text=RAW)
+    sampled, _ = responses.finish(responses.prepare_request("responses", {"input": "hi"}), answer)
+    assert all(math.isnan(x) for x in sampled.logprobs) and len(sampled.logprobs) == len(IDS)
+    assert "cannot be established" in (sampled.problem() or "")
+    too_many = whole_response([-0.1] * 3, [7, 8], texts=["a", "b", "c"], output_text="abc")
+    sampled, _ = responses.finish(responses.prepare_request("responses", {"input": "hi"}), too_many)
+    assert "3 logprobs for 2 output ids" in (sampled.problem() or "")
+
+
+def test_responses_token_texts_of_partial_characters_still_align():
+    """A token holding part of a multi-byte character decodes alone to U+FFFD; the output text has the character."""
+    answer = whole_response([-0.1, -0.2, -0.3], [7, 8, 9, 10], texts=["a", "\ufffd", "\ufffd"], output_text="a你b")
+    sampled, _ = responses.finish(responses.prepare_request("responses", {"input": "hi"}), answer)
+    assert sampled.problem() is None and sampled.logprobs[:3] == pytest.approx([-0.1, -0.2, -0.3])
+
+
+def test_responses_a_function_call_alone_has_no_logprobs_and_says_so():
+    answer = whole_response([], [7, 8, 9], function_call=True)
+    answer["output"] = answer["output"][1:]  # vLLM writes no message item when there is no text
+    sampled, _ = responses.finish(responses.prepare_request("responses", {"input": "hi"}), answer)
     assert len(sampled.logprobs) == 3 and all(math.isnan(x) for x in sampled.logprobs)
-    assert sampled.note == responses.NO_LOGPROBS_NOTE
+    assert sampled.note == responses.NO_LOGPROBS_NOTE and sampled.problem() is None
+
+
+@pytest.mark.parametrize("bad", [None, -9999.0, float("nan"), "x"])
+def test_an_invalid_logprob_from_vllm_makes_the_call_an_error_naming_its_position(bad):
+    answer = whole_response([-0.5, bad, -0.25], [7, 8, 9])
+    sampled, _ = responses.finish(responses.prepare_request("responses", {"input": "hi"}), answer)
+    problem = sampled.problem()
+    assert problem is not None and "1 of 3" in problem and "position(s) 1" in problem
+    assert sampled.logprobs[0] == -0.5 and math.isnan(sampled.logprobs[1]) and sampled.logprobs[2] == -0.25
+
+
+@pytest.mark.parametrize(
+    "event",
+    [{"type": "response.failed", "response": {**whole_response([-1.0], [9]), "status": "failed",
+                                              "error": {"code": "server_error", "message": "engine died"}}},
+     {"type": "error", "code": "server_error", "message": "engine died", "param": None}],
+    ids=["response.failed", "error"],
+)  # fmt: skip
+def test_a_failed_responses_stream_is_the_upstreams_error_not_ok(event):
+    state = responses.StreamState(responses.prepare_request("responses", {"input": "hi", "stream": True}))
+    state.feed_event(sse({"type": "response.output_text.delta", "delta": "h", "logprobs": []}))
+    state.feed_event(sse(event, event["type"]))
+    assert state.done and "engine died" in (state.sampled.upstream_error or "")
+
+
+def test_a_chat_stream_ending_with_an_error_event_is_the_upstreams_error():
+    from sidecar.apis import openai
+
+    state = openai.StreamState(openai.prepare_request("chat", {"messages": [], "stream": True}))
+    logprobs = {"content": [{"token": "h", "logprob": -1.0}]}
+    chunk = {"id": "c", "model": "m",
+             "choices": [{"index": 0, "delta": {"content": "h"}, "token_ids": [5], "logprobs": logprobs}]}  # fmt: skip
+    state.feed_event(sse(chunk))
+    state.feed_event(sse({"error": {"message": "engine died", "type": "InternalServerError", "code": 500}}))
+    state.feed_event(sse("[DONE]"))
+    assert state.done and "engine died" in (state.sampled.upstream_error or "")
 
 
 def test_responses_stream_hides_delta_logprobs_and_takes_ids_from_completed():

@@ -115,18 +115,18 @@ def _suffixes(store: str) -> list[list[int]]:
     return [r[0] for r in connect(store).execute("SELECT prompt_suffix_ids FROM calls_raw").fetchall()]
 
 
-def test_the_policy_version_recorded_follows_the_server(start_sidecar, policy_server, vllm):
+def test_each_call_records_the_version_the_server_had_when_it_was_served(start_sidecar, policy_server, vllm):
+    """No poll window: the call right after a publish is recorded with the new version (asked per call)."""
     sidecar = start_sidecar(policy_server.base_url)
     sdk = client(sidecar.url)
-    assert vllm.post("/update_weight_version", json={"new_version": "41"}).status_code == 200
-    wait_for(lambda: sidecar.metrics().get("upstream_up") == 1, what="the sidecar to poll the server")
-    wait_for(lambda: _version_seen(sdk, sidecar) == "41", what="version 41 recorded")
-    assert vllm.post("/update_weight_version", json={"new_version": "42"}).status_code == 200
-    wait_for(lambda: _version_seen(sdk, sidecar) == "42", timeout=10, what="version 42 recorded")
+    for version in ("41", "42"):
+        assert vllm.post("/update_weight_version", json={"new_version": version}).status_code == 200
+        assert _versions_of_next_call(sdk, sidecar) == (version, version)
 
 
-def _version_seen(sdk: openai.OpenAI, sidecar) -> str | None:
+def _versions_of_next_call(sdk: openai.OpenAI, sidecar) -> tuple[str | None, str | None]:
     before = len(read_calls(sidecar.store))
     sdk.chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}], max_tokens=1)
     calls = wait_for(lambda: len(read_calls(sidecar.store)) > before and read_calls(sidecar.store), what="a record")
-    return max(calls, key=lambda c: c["started_at"])["policy_version"]
+    latest = max(calls, key=lambda c: c["started_at"])
+    return latest["policy_version"], latest["policy_version_end"]

@@ -29,44 +29,139 @@ def test_each_proxy_user_is_its_own_episode(start_sidecar, fake_upstream):
         assert not path.is_file() or PLANTED.encode() not in path.read_bytes(), path  # the proxy password
 
 
-def test_episode_from_header_or_environment(start_sidecar, fake_upstream):
-    sidecar = start_sidecar(
-        fake_upstream.url, episode_id=None, env={"FORGE_EPISODE_ID": "from-env", "FORGE_RUN_ID": "r7"}
-    )
+def test_episode_from_the_header_outside_a_pod(start_sidecar, fake_upstream):
+    sidecar = start_sidecar(fake_upstream.url, episode_id=None, env={"FORGE_RUN_ID": "r7"})
     httpx.post(f"{sidecar.url}{CHAT}", json=BODY, timeout=30)
-    httpx.post(f"{sidecar.url}{CHAT}", json=BODY, headers={"x-forge-episode-id": "from-header"}, timeout=30)
+    httpx.post(f"{sidecar.url}{CHAT}", json=BODY, headers={"x-forge-episode-id": "from-header",
+                                                           "x-forge-task-id": "task-h"}, timeout=30)  # fmt: skip
     calls = wait_for(lambda: len(read_calls(sidecar.store)) == 2 and read_calls(sidecar.store), what="2 records")
-    assert sorted(c["episode_id"] for c in calls) == ["from-env", "from-header"]
+    assert sorted((c["episode_id"], c["task_id"]) for c in calls) == [
+        ("from-header", "task-h"),
+        (f"{calls[0]['sidecar_id']}-default", None),
+    ]
     assert {c["run_id"] for c in calls} == {"r7"} and {c["run"] for c in calls} == {"r7"}
     assert "x-forge-episode-id" not in {k.lower() for k in fake_upstream.requests[-1]["headers"]}
+    assert sidecar.metrics().get("episode_relabel_refused_total", 0) == 0
 
 
-def test_rewards_from_the_admin_endpoint_and_the_cli(start_sidecar, fake_upstream):
+@pytest.mark.parametrize("pod_env", [{"FORGE_EPISODE_ID": "pod-episode", "FORGE_TASK_ID": "pod-task"},
+                                     {"POD_UID": "pod-episode", "FORGE_TASK_ID": "pod-task"}],
+                         ids=["FORGE_EPISODE_ID", "POD_UID"])  # fmt: skip
+def test_in_a_pod_the_pods_identity_wins_over_a_relabel_header(start_sidecar, fake_upstream, pod_env):
+    """The agent runs shell commands in the pod: a header naming another episode (or task) is ignored, counted,
+    and still never reaches the upstream."""
+    sidecar = start_sidecar(fake_upstream.url, episode_id=None, env=pod_env)
+    relabel = {"x-forge-episode-id": "someone-elses-episode", "x-forge-task-id": "an-easier-task"}
+    assert httpx.post(f"{sidecar.url}{CHAT}", json=BODY, headers=relabel, timeout=30).status_code == 200
+    assert {k.lower() for k in fake_upstream.requests[-1]["headers"]}.isdisjoint(relabel)
+    httpx.post(f"{sidecar.url}{CHAT}", json=BODY, timeout=30)
+    calls = wait_for(lambda: len(read_calls(sidecar.store)) == 2 and read_calls(sidecar.store), what="2 records")
+    assert [(c["episode_id"], c["task_id"], c["seq"]) for c in calls] == [
+        ("pod-episode", "pod-task", 0),
+        ("pod-episode", "pod-task", 1),
+    ]
+    assert sidecar.metrics()["episode_relabel_refused_total"] == 1  # the call with the header, not the other
+    assert "ignored" in sidecar.log()
+
+
+def test_in_a_pod_trust_episode_header_lets_the_header_choose(start_sidecar, fake_upstream):
+    sidecar = start_sidecar(fake_upstream.url, episode_id=None, env={"POD_UID": "pod-episode"},
+                            extra=("--trust-episode-header",))  # fmt: skip
+    httpx.post(f"{sidecar.url}{CHAT}", json=BODY, headers={"x-forge-episode-id": "from-header"}, timeout=30)
+    httpx.post(f"{sidecar.url}{CHAT}", json=BODY, timeout=30)
+    calls = wait_for(lambda: len(read_calls(sidecar.store)) == 2 and read_calls(sidecar.store), what="2 records")
+    assert sorted(c["episode_id"] for c in calls) == ["from-header", "pod-episode"]
+    assert sidecar.metrics().get("episode_relabel_refused_total", 0) == 0
+
+
+def test_a_reward_needs_the_verifiers_token_and_its_source_is_the_servers(start_sidecar, fake_upstream):
     sidecar = start_sidecar(fake_upstream.url)
-    status, _ = sidecar.post_admin("/reward", {"episode_id": "episode-1", "reward": 1.5, "components": {"tests": 1}})
-    assert status == 200
+    token_file = sidecar.wal_dir / "reward-token"
+    token = sidecar.reward_token()
+    assert token_file.stat().st_mode & 0o777 == 0o600 and len(token) >= 32
+    assert str(token_file) in sidecar.log() and token not in sidecar.log()  # its path is logged, never its value
+    forged = {"episode_id": "episode-1", "reward": 100.0, "source": "verifier"}
+    assert sidecar.post_admin("/reward", forged, token=None)[0] == 401
+    assert sidecar.post_admin("/reward", forged, token="x" * len(token))[0] == 403
+    assert sidecar.post_admin("/reward", forged, token=token[:-1])[0] == 403
+    with httpx.Client(timeout=5) as http:  # other spellings of a missing credential are refused the same way
+        url = f"http://127.0.0.1:{sidecar.admin_port}/reward"
+        assert http.post(url, json=forged, headers={"authorization": f"Basic {token}"}).status_code == 401
+        assert http.post(url, json=forged, headers={"x-api-key": token}).status_code == 401
+        assert http.get(f"http://127.0.0.1:{sidecar.admin_port}/healthz").status_code == 200  # read-only: open
+    metrics = sidecar.metrics()
+    assert metrics['reward_refused_total{reason="no_token"}'] == 3
+    assert metrics['reward_refused_total{reason="wrong_token"}'] == 2
+    # The verifier's two rewards are both kept, with the server's source whatever the body says.
+    for value in (0.0, 1.5):
+        payload = {"episode_id": "episode-1", "reward": value, "components": {"tests": 1}, "source": "self-graded"}
+        status, answer = sidecar.post_admin("/reward", payload)
+        assert status == 200 and answer["source"] == "admin:verifier"
     for bad, message in (({"reward": 1}, "episode_id"), ({"episode_id": "e", "reward": "high"}, "reward"),
                          ({"episode_id": "e", "reward": 1, "components": {"a": "b"}}, "components")):  # fmt: skip
         status, answer = sidecar.post_admin("/reward", bad)
         assert status == 400 and message in answer["error"]
+    rows = wait_for(lambda: len(rewards := _rewards(sidecar.store)) == 2 and rewards, what="2 rewards")
+    sidecar.stop()
+    assert (
+        _rewards(sidecar.store)
+        == rows
+        == [("episode-1", 0.0, "admin:verifier", {"tests": 1.0}), ("episode-1", 1.5, "admin:verifier", {"tests": 1.0})]
+    )  # nothing from the refused posts, before or after the flush at exit
+
+
+def test_rewards_from_a_given_token_file_through_the_cli_and_into_the_store(start_sidecar, fake_upstream, tmp_path):
+    token_file = tmp_path / "verifier-token"
+    token_file.write_text("a-token-the-verifier-holds-0123456789\n")
+    token_file.chmod(0o600)
+    sidecar = start_sidecar(fake_upstream.url, extra=("--reward-token-file", str(token_file)))
+    assert not (sidecar.wal_dir / "reward-token").exists()
+    given = "a-token-the-verifier-holds-0123456789"
+    assert sidecar.post_admin("/reward", {"episode_id": "e", "reward": 1}, token=given)[0] == 200
+    via_sidecar = subprocess.run(
+        [FORGE, "reward", "--sidecar", f"http://127.0.0.1:{sidecar.admin_port}", "--token-file", str(token_file),
+         "--episode-id", "episode-1", "--value", "0.5", "--component", "tests=1"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert via_sidecar.returncode == 0 and '"admin:verifier"' in via_sidecar.stdout, via_sidecar.stderr
+    wrong = tmp_path / "wrong-token"
+    wrong.write_text("not-the-token-at-all-0123456789\n")
+    refused = subprocess.run(
+        [FORGE, "reward", "--sidecar", f"http://127.0.0.1:{sidecar.admin_port}", "--token-file", str(wrong),
+         "--episode-id", "episode-1", "--value", "9"], capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert refused.returncode != 0 and "refused the reward (403)" in refused.stderr
     cli = subprocess.run([FORGE, "reward", "--store", sidecar.store, "--episode-id", "episode-2", "--value", "-1",
                           "--component", "lint=0.5"], capture_output=True, text=True, timeout=60)  # fmt: skip
     assert cli.returncode == 0, cli.stderr
     bad_cli = subprocess.run([FORGE, "reward", "--store", sidecar.store, "--episode-id", "e", "--value", "1",
                               "--component", "oops"], capture_output=True, text=True, timeout=60)  # fmt: skip
     assert bad_cli.returncode == 2 and "NAME=NUMBER" in bad_cli.stderr
-    rows = wait_for(lambda: _rewards(sidecar.store) if len(_rewards(sidecar.store)) == 2 else None, what="2 rewards")
-    assert rows == [("episode-1", 1.5, "admin", {"tests": 1.0}), ("episode-2", -1.0, "cli", {"lint": 0.5})]
+    rows = wait_for(lambda: len(rewards := _rewards(sidecar.store)) == 3 and rewards, what="3 rewards")
+    assert rows == [("e", 1.0, "admin:verifier", None), ("episode-1", 0.5, "admin:verifier", {"tests": 1.0}),
+                    ("episode-2", -1.0, "cli", {"lint": 0.5})]  # fmt: skip
+
+
+def test_an_unusable_token_file_stops_the_sidecar_with_one_line(tmp_path):
+    short = tmp_path / "short"
+    short.write_text("abc\n")
+    for path, message in ((tmp_path / "missing", "No such file"), (short, "at least 16 characters")):
+        run = subprocess.run([FORGE, "sidecar", "--reward-token-file", str(path), "--wal-dir", str(tmp_path / "w"),
+                              "--store", str(tmp_path / "s"), "--print-command"],
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert run.returncode == 2 and message in run.stderr and "Traceback" not in run.stderr, run.stderr
 
 
 def _rewards(store: str) -> list[tuple]:
-    out = subprocess.run(
+    if not Path(store).exists():  # nothing flushed yet
+        return []
+    run = subprocess.run(
         [FORGE, "sql", "--store", store, "--format", "json",
-         "SELECT episode_id, reward, source, components FROM rewards ORDER BY episode_id"],
-        capture_output=True, text=True, timeout=60, check=True,
-    ).stdout  # fmt: skip
-
-    return [(r["episode_id"], r["reward"], r["source"], r["components"]) for r in json.loads(out)]
+         "SELECT episode_id, reward, source, components FROM rewards ORDER BY episode_id, \"at\""],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    return [(r["episode_id"], r["reward"], r["source"], r["components"]) for r in json.loads(run.stdout)]
 
 
 def test_a_planted_key_reaches_no_byte_of_any_file(start_sidecar, fake_upstream, tmp_path):

@@ -2,20 +2,28 @@
 
 import base64
 import json
+import marshal
 import random
+import struct
+import subprocess
+import sys
+import zlib
 from array import array
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from forge.paths import repo_root
 from sidecar.apis import openai
 from sidecar.metrics import Metrics
 from sidecar.prefix import PrefixIndex, common_prefix_len
+from sidecar.record import CALL_SCHEMA, CallRecord, checked_row, to_table
 from sidecar.redact import REDACTED, redacted_json, secrets_in_headers
 from sidecar.sse import EventFramer, rewrite_event
 from sidecar.store import StoreError, open_store
-from sidecar.writer import RecordWriter, pack_floats, pack_ids, read_segment
+from sidecar.writer import WAL_FILE, RecordWriter, pack_floats, pack_ids, pending_records, rows_to_table
 
 STREAM = b'data: {"a":1}\n\nevent: ping\ndata: {"b":2}\n\n: comment\n\ndata: [DONE]\n\n'
 
@@ -56,47 +64,149 @@ def test_a_prompt_references_the_call_it_extends_most():
 
 def make_writer(tmp_path: Path, **kwargs) -> tuple[RecordWriter, str]:
     store = str(tmp_path / "store")
-    return RecordWriter(tmp_path / "wal", open_store(store), "sc-test", Metrics(), **kwargs), store
+    return RecordWriter(tmp_path / "wal", open_store(store), Metrics(), **kwargs), store
 
 
-def row(n: int) -> dict:
-    return {"call_id": f"c{n}", "episode_id": "e", "seq": n, "started_at": 1_800_000_000_000_000 + n,
+def row(n: int, episode: str = "e") -> dict:
+    return {"call_id": f"c{n}", "episode_id": episode, "seq": n, "started_at": 1_800_000_000_000_000 + n,
             "prompt_suffix_ids": pack_ids(list(range(n))), "completion_token_ids": pack_ids([n, n + 1]),
             "completion_logprobs": pack_floats([-0.5, -0.25]), "status": "ok"}  # fmt: skip
+
+
+def stored_call_ids(store: str) -> list[str]:
+    table = open_store(store).read_table("calls")
+    return sorted(table.column("call_id").to_pylist()) if table is not None else []
 
 
 def test_records_reach_parquet_with_ids_and_types_intact(tmp_path):
     writer, store = make_writer(tmp_path)
     for n in range(5):
         assert writer.append("calls", row(n))
-    assert writer.close()
+    assert writer.close() and writer.pending() == 0
     table = open_store(store).read_table("calls")
     assert table is not None and table.num_rows == 5
     rows = sorted(table.to_pylist(), key=lambda r: r["seq"])
     assert [r["prompt_suffix_ids"] for r in rows] == [list(range(n)) for n in range(5)]
     assert rows[3]["completion_token_ids"] == [3, 4] and rows[3]["completion_logprobs"] == [-0.5, -0.25]
     assert rows[0]["started_at"].year == 2027 and rows[0]["schema_version"] == 1
-    assert not list((tmp_path / "wal").glob("*.wal"))
+    assert pending_records(tmp_path / "wal") == 0
 
 
-def test_a_torn_tail_keeps_the_records_before_it_and_replay_reuses_the_file_name(tmp_path):
+def test_a_restart_over_the_same_wal_keeps_every_earlier_file_and_goes_on_counting(tmp_path):
     writer, store = make_writer(tmp_path)
+    assert [writer.next_seq("e") for _ in range(3)] == [0, 1, 2]
     for n in range(3):
         writer.append("calls", row(n))
-    segment = next((tmp_path / "wal").glob("*.open"))
-    segment.write_bytes(segment.read_bytes() + b"\x10\x00\x00\x00garbage")  # a crash mid-write
-    assert [r["call_id"] for r in read_segment(segment)] == ["c0", "c1", "c2"]
-    crashed = RecordWriter(tmp_path / "wal", open_store(store), "sc-test", Metrics())  # restart over the same WAL
-    assert crashed.close()
-    first = open_store(store).list_parquet("calls")
-    assert len(first) == 1 and pq.read_table(first[0]).num_rows == 3
+    assert writer.close()
+    again, _ = make_writer(tmp_path)  # the same WAL folder: the same sidecar id, batch numbers go on
+    assert again.sidecar_id == writer.sidecar_id
+    assert [again.next_seq("e") for _ in range(3)] == [3, 4, 5] and again.next_seq("other") == 0
+    for n in range(3, 6):
+        again.append("calls", row(n))
+    assert again.close()
+    assert stored_call_ids(store) == [f"c{n}" for n in range(6)]
+    assert len(open_store(store).list_parquet("calls")) == 2
+
+
+def test_the_store_never_replaces_a_file_of_that_name(tmp_path):
+    target = open_store(str(tmp_path / "store"))
+    assert target.write_parquet_new("calls/x.parquet", to_table([{"call_id": "first"}], "calls"))
+    assert not target.write_parquet_new("calls/x.parquet", to_table([{"call_id": "second"}], "calls"))
+    assert stored_call_ids(target.uri) == ["first"]
+
+
+CRASH_AFTER_APPENDS = """
+import os, sys
+sys.path.insert(0, {root!r})
+from pathlib import Path
+from sidecar.metrics import Metrics
+from sidecar.store import open_store
+from sidecar.writer import RecordWriter
+from tests.sidecar.test_units import row
+writer = RecordWriter(Path({wal!r}), open_store({store!r}), Metrics())
+for n in range(3):
+    writer.append("calls", row(n))
+os._exit(0)  # a crash: no close, no checkpoint; the records are only in SQLite's journal
+"""
+
+
+def test_a_crash_then_a_torn_journal_tail_keeps_every_committed_record_once(tmp_path):
+    wal, store = tmp_path / "wal", str(tmp_path / "store")
+    script = CRASH_AFTER_APPENDS.format(root=str(repo_root()), wal=str(wal), store=store)
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=60)
+    journal = wal / f"{WAL_FILE}-wal"
+    assert journal.stat().st_size > 0, "the crash left no journal: the test would show nothing"
+    with journal.open("ab") as out:  # a frame torn mid-write by a machine crash
+        out.write(b"\x37\x7f\x06\x82" + bytes(range(256)) * 7)
+    assert pending_records(wal) == 3
+    restarted, _ = make_writer(tmp_path)
+    assert restarted.close()
+    assert stored_call_ids(store) == ["c0", "c1", "c2"]
+
+
+def test_a_wal_written_by_the_previous_release_replays(tmp_path):
+    wal = tmp_path / "wal"
+    wal.mkdir()
+    frames = b""
+    for n in range(3):  # the previous release's frame: length, adler32, marshal payload
+        payload = marshal.dumps(row(n))
+        frames += struct.pack("<II", len(payload), zlib.adler32(payload)) + payload
+    (wal / "calls-00000004.open").write_bytes(frames + b"\x10\x00\x00\x00torn")
+    (wal / "sidecar-id").write_text("old-sidecar")
+    writer, store = make_writer(tmp_path)
+    assert writer.metrics.get("wal_records_replayed") == 3 and not list(wal.glob("*.open"))
+    assert writer.close()
+    assert stored_call_ids(store) == ["c0", "c1", "c2"]
+    assert not any("old-sidecar-calls-4" in p for p in open_store(store).list_parquet("calls"))
+
+
+def test_a_row_that_cannot_be_converted_is_quarantined_and_the_others_go_on(tmp_path):
+    writer, store = make_writer(tmp_path, max_rows=3)
+    bad = {**row(1), "seq": "not a number"}  # what CallRecord's checks make impossible, written around them
+    for record in (row(0), bad, row(2), row(3), row(4)):
+        writer.append("calls", record)
+    assert writer.close()
+    assert stored_call_ids(store) == ["c0", "c2", "c3", "c4"]
+    assert writer.metrics.get("records_quarantined_total") == 1
+    [quarantined] = (tmp_path / "wal" / "quarantine").glob("*.jsonl")
+    kept = json.loads(quarantined.read_text())
+    assert kept["row"]["call_id"] == "c1" and kept["reason"].startswith(("ArrowInvalid", "ArrowTypeError", "TypeError"))
 
 
 def test_past_the_disk_bound_records_are_dropped_and_counted(tmp_path):
     writer, _ = make_writer(tmp_path, max_disk_bytes=600)
     results = [writer.append("calls", row(n)) for n in range(20)]
-    assert results[0] and not results[-1]
-    assert writer.metrics.get("records_dropped_total") == results.count(False) > 0
+    assert results[0] is not None and results[-1] is None
+    assert writer.metrics.get("records_dropped_total") == results.count(None) > 0
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=8,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.sampled_from([f.name for f in CALL_SCHEMA]), json_values))
+def test_any_values_checked_into_a_call_record_convert_to_parquet(values):
+    checked = checked_row("calls", {"call_id": "c", **values})
+    rows_to_table([{**checked, "call_id": checked["call_id"] or "c"}], "calls")  # never raises
+
+
+def test_an_odd_model_name_is_kept_as_its_json_text():
+    checked = checked_row("calls", {"call_id": "c", "model_requested": 5, "seq": 2**40, "stream": "yes"})
+    assert (checked["model_requested"], checked["seq"], checked["stream"]) == ("5", None, None)
+    assert checked_row("calls", {"model_requested": ["a", 1]})["model_requested"] == '["a", 1]'
+
+
+def test_the_prefix_index_is_bounded_in_bytes():
+    index = PrefixIndex(max_bytes=4000, calls_per_episode=2)
+    for episode in range(50):
+        for call in range(3):
+            index.remember(f"e{episode}", f"c{episode}-{call}", pack_ids(list(range(100))))
+    assert index.bytes <= 4000 and index.bytes == sum(len(s) for calls in index.episodes.values() for _, s in calls)
+    assert index.split("e49", pack_ids(list(range(100)))) == ("c49-2", 100) and "e0" not in index.episodes
 
 
 def test_bad_store_uris_say_what_to_write(tmp_path):
@@ -177,3 +287,32 @@ def test_secrets_are_found_in_headers_and_scrubbed_from_bodies():
 
 def test_packed_ids_round_trip():
     assert array("i", pack_ids([1, -2, 2**31 - 1])).tolist() == [1, -2, 2**31 - 1]
+
+
+def test_a_held_row_waits_for_its_late_value_and_the_rows_after_it_keep_their_order(tmp_path):
+    writer, store = make_writer(tmp_path, max_age_s=0.0)
+    held = writer.append("calls", row(0), hold=True)
+    writer.append("calls", row(1))
+    writer.cut_batches()
+    assert writer.flush_batches() and stored_call_ids(store) == []  # nothing at or past the held row goes
+    assert held is not None
+    writer.complete(held, {"policy_version_end": "7"})
+    writer.cut_batches()
+    assert writer.flush_batches() and stored_call_ids(store) == ["c0", "c1"]
+    table = open_store(store).read_table("calls")
+    assert table is not None and table.column("policy_version_end").to_pylist() == ["7", None]
+    writer.complete(held, {"policy_version_end": "8"})  # too late: counted, nothing changes
+    assert writer.metrics.get("records_completed_late_total") == 1
+
+
+def test_a_held_row_whose_value_never_comes_goes_on_after_the_hold(tmp_path, monkeypatch):
+    monkeypatch.setattr("sidecar.writer.HOLD_S", 0.0)
+    writer, store = make_writer(tmp_path, max_age_s=0.0)
+    writer.append("calls", row(0), hold=True)
+    writer.cut_batches()
+    assert writer.flush_batches() and stored_call_ids(store) == ["c0"]
+    assert writer.metrics.get("records_hold_expired_total") == 1
+
+
+def test_the_typed_call_record_has_exactly_the_schema_columns():
+    assert set(CallRecord.__annotations__) == {f.name for f in CALL_SCHEMA} - {"schema_version"}
