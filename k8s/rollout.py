@@ -261,6 +261,9 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+POD_IDENTITY = ("POD_UID", "POD_NAME", "POD_NAMESPACE", "FORGE_EPISODE_ID", "FORGE_TASK_ID", "FORGE_RUN_ID")
+
+
 class LocalSidecar:
     """One `forge sidecar --mode regular` for every local rollout (each proxy user name is an episode id)."""
 
@@ -287,7 +290,11 @@ class LocalSidecar:
     def start(self, timeout_s: float = 60.0) -> "LocalSidecar":
         self.folder.mkdir(parents=True, exist_ok=True)
         log = open(self.folder / "sidecar.log", "wb")  # noqa: SIM115 (kept open for the process's life)
-        self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        # A pod's identity in our own environment would outrank each client's proxy user name: leave it out.
+        env = {k: v for k, v in os.environ.items() if k not in POD_IDENTITY}
+        self.process = subprocess.Popen(
+            self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
+        )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

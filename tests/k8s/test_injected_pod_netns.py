@@ -30,11 +30,19 @@ pytestmark = [pytest.mark.integration, pytest.mark.skipif(root_cause() is not No
 ROOT = Path(__file__).resolve().parents[2]
 FORGE = str(Path(sys.executable).parent / "forge")
 MODEL_HOST = "api.openai.com"
+TOKEN = "pod-reward-token-0123456789abcdef"  # what the Secret openforge-reward-token holds
+
+
+def read_rewards(store: str) -> list[dict]:
+    from collector.sql import connect
+
+    return connect(store).execute("SELECT * FROM rewards").arrow().read_all().to_pylist()
 
 
 def in_work(args: list[str], work: Path) -> list[str]:
     """The container's arguments with its volumes' mount paths moved into the test's folder."""
-    mounts = {inject.CA_DIR: work / "ca", inject.CA_SECRET_DIR: work / "secret", inject.WAL_DIR: work / "wal"}
+    mounts = {inject.CA_DIR: work / "ca", inject.CA_SECRET_DIR: work / "secret", inject.WAL_DIR: work / "wal",
+              inject.REWARD_DIR: work / "reward"}  # fmt: skip
     for path, local in sorted(mounts.items(), key=lambda item: -len(item[0])):  # ca-secret before ca
         args = [a.replace(path, str(local)) for a in args]
     return args
@@ -69,9 +77,10 @@ def test_the_injected_commands_make_a_recording_pod(tmp_path):
             rules = net.pod.run(["iptables-save", "-t", "nat"]).stdout
             assert f"--uid-owner {PROXY_UID} -j RETURN" in rules and "--to-ports 15001" in rules
 
+            (work / "reward").mkdir()
+            (work / "reward/token").write_text(TOKEN)
+            (work / "reward/token").chmod(0o444)  # as the Secret volume's defaultMode leaves it
             args = in_work(inject.sidecar_container(settings)["args"], work)
-            token_flag = args.index("--reward-token-file")  # the sidecar option lands with the integrity work
-            args = args[:token_flag] + args[token_flag + 2 :]
             args[args.index("--upstream") + 1] = f"http://{relay.listen[0]}:{relay.listen[1]}"
             args[args.index("--store") + 1] = str(work / "store")
             command = json.loads(sh([FORGE, *args, "--flush-seconds", "0.3", "--print-command"]).stdout)
@@ -107,6 +116,22 @@ def test_the_injected_commands_make_a_recording_pod(tmp_path):
             (call,) = wait_for(lambda: read_calls(str(work / "store")), what="the pod's call record")
             assert call["episode_id"] == "run9.add.0" and call["task_id"] == "add" and call["run_id"] == "run9"
             assert call["host"] == MODEL_HOST and call["status"] == "ok"
+
+            # The harness has no token: its reward is refused. The verifier's `forge verify` has it: recorded.
+            forged = net.pod.run(
+                ["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "-XPOST", "http://127.0.0.1:15002/reward",
+                 "-d", json.dumps({"episode_id": "run9.add.0", "reward": 1.0})],
+                uid=CLIENT_UID, env={"PATH": "/usr/bin:/bin"},
+            )  # fmt: skip
+            assert forged.stdout == "401"
+            verifier_env = {"PATH": "/usr/bin:/bin", "FORGE_EPISODE_ID": "run9.add.0",
+                            "FORGE_ADMIN_URL": "http://127.0.0.1:15002",
+                            "FORGE_REWARD_TOKEN_FILE": str(work / "reward/token")}  # fmt: skip
+            verify = [FORGE, "verify", "--termination-log", str(work / "termination-log"), "--", "sh", "-c", "echo 0.5"]
+            net.pod.run(verify, uid=CLIENT_UID + 1, env=verifier_env)
+            (reward,) = wait_for(lambda: read_rewards(str(work / "store")), what="the verifier's reward")
+            assert reward["episode_id"] == "run9.add.0" and reward["reward"] == 0.5
+            assert TOKEN not in (work / "sidecar.log").read_text()
         finally:
             if sidecar is not None:
                 stop(sidecar)
