@@ -136,6 +136,14 @@ def test_an_old_state_is_rebuilt_not_trusted(tmp_path, synthetic_store):
 def test_assembly_in_batches_of_episodes_equals_one_batch(tmp_path, synthetic_store, monkeypatch):
     whole = full_rebuild(synthetic_store.uri, tmp_path, "whole")
     monkeypatch.setattr(collect_module, "ASSEMBLY_BATCH_CALLS", 3)  # episodes of 2 to 4 calls: 3 batches
+    batches: list[int] = []
+    real = collect_module.assemble
+
+    def counted(calls, rewards):
+        batches.append(calls.num_rows)
+        return real(calls, rewards)
+
+    monkeypatch.setattr(collect_module, "assemble", counted)
     batched = full_rebuild(synthetic_store.uri, tmp_path, "batched")
     assert_same(batched, whole)
-    assert batched.segments["input_ids"].num_chunks == 3
+    assert batches == [6, 3, 2]  # broken + compacted, linear, pending
