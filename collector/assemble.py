@@ -188,8 +188,11 @@ class _Episode:
         return [*head, suffix_piece]
 
 
-def assemble(calls: pa.Table, rewards: pa.Table | None = None) -> tuple[pa.Table, pa.Table]:
-    """Call records (``CALL_COLUMNS``) and reward records to (segments, episodes) tables.
+def assemble(
+    calls: pa.Table, rewards: pa.Table | None = None, episode_order: pa.Array | None = None
+) -> tuple[pa.Table, pa.Table]:
+    """Call records (``CALL_COLUMNS``) and reward records to (segments, episodes) tables, in episode id order or,
+    given ``episode_order`` (an integer per call row, equal for the calls of one episode), in that order.
 
     Statuses are complete / error / no_reward here; ``finalize`` turns recent no_reward episodes into
     unfinished ones (that depends on the whole store, so it runs after an incremental update too).
@@ -199,13 +202,13 @@ def assemble(calls: pa.Table, rewards: pa.Table | None = None) -> tuple[pa.Table
     was_enabled = gc.isenabled()
     gc.disable()
     try:
-        return _assemble(calls, rewards)
+        return _assemble(calls, rewards, episode_order)
     finally:
         if was_enabled:
             gc.enable()
 
 
-def _assemble(calls: pa.Table, rewards: pa.Table | None) -> tuple[pa.Table, pa.Table]:
+def _assemble(calls: pa.Table, rewards: pa.Table | None, episode_order: pa.Array | None) -> tuple[pa.Table, pa.Table]:
     calls = calls.select(CALL_COLUMNS)
     calls = calls.set_column(
         calls.schema.get_field_index("episode_id"), "episode_id", pc.fill_null(calls["episode_id"], NO_EPISODE_ID)
@@ -215,7 +218,11 @@ def _assemble(calls: pa.Table, rewards: pa.Table | None) -> tuple[pa.Table, pa.T
         return SEGMENT_SCHEMA.empty_table(), EPISODE_SCHEMA.empty_table()
     # Sorted by a permutation: the scalar columns are taken in order, the id lists only index through it.
     keys = [("episode_id", "ascending"), ("seq", "ascending"), ("started_at", "ascending"), ("call_id", "ascending")]
-    order = pc.sort_indices(calls.select([k for k, _ in keys]), sort_keys=keys).to_numpy()
+    sort_by = calls.select([k for k, _ in keys])
+    if episode_order is not None:
+        keys.insert(0, ("episode_order", "ascending"))
+        sort_by = sort_by.append_column("episode_order", episode_order)
+    order = pc.sort_indices(sort_by, sort_keys=keys).to_numpy()
     suffix = _Flat.of(calls["prompt_suffix_ids"], np.int32, order)
     completion = _Flat.of(calls["completion_token_ids"], np.int32, order)
     logprobs = _Flat.of(calls["completion_logprobs"], np.float32, order)

@@ -51,7 +51,7 @@ from sidecar.record import CALL_SCHEMA, REWARD_SCHEMA
 from sidecar.store import Store, StoreError, open_store
 
 STATE_VERSION = "2"  # bump when the state's files change meaning: an old state is then rebuilt (2: shards)
-SHARDS = 256  # at 1M calls (1.8 GB of tokens) a shard holds ~7 MB: one new episode rewrites that much
+SHARDS = 64  # at 1M calls (1.8 GB of tokens) a shard holds ~28 MB: what one new episode rewrites
 DEFAULT_IDLE_SECONDS = 600.0
 READ_THREADS = 4
 ASSEMBLY_BATCH_CALLS = 50_000
@@ -290,23 +290,31 @@ class Collector:
             return Collection(self.state_dir, self.idle_seconds, len(changed), len(touched))
 
     def assemble(self, calls: pa.Table, rewards: pa.Table) -> tuple[pa.Table, pa.Table]:
-        """Assemble a few thousand episodes at a time: memory grows with the output, not with the work arrays."""
+        """Segments and episodes in shard order (by episode id within a shard), so each shard's rows are one
+        slice; a few thousand episodes at a time: memory grows with the output, not with the work arrays."""
+        episode_ids = pc.fill_null(calls["episode_id"], NO_EPISODE_ID).combine_chunks()
+        encoded = pc.dictionary_encode(episode_ids)
+        distinct = encoded.dictionary.to_pylist()
+        rank = np.empty(len(distinct), np.int64)
+        rank[np.argsort(np.array(distinct, dtype=object), kind="stable")] = np.arange(len(distinct))
+        position = shard_of(distinct) * max(len(distinct), 1) + rank  # shard first, then episode id
+        per_call = position[encoded.indices.to_numpy(zero_copy_only=False)]
         if calls.num_rows <= ASSEMBLY_BATCH_CALLS:
-            return assemble(calls, rewards)
+            return assemble(calls, rewards, pa.array(per_call))
         calls = calls.combine_chunks()  # one copy: a take from many chunks would concatenate them for every batch
-        episode_ids = pc.fill_null(calls["episode_id"], NO_EPISODE_ID)
-        order = pc.sort_indices(episode_ids).to_numpy()
-        sorted_ids = episode_ids.take(pa.array(order)).to_numpy(zero_copy_only=False)
-        starts = np.flatnonzero(np.concatenate([[True], sorted_ids[1:] != sorted_ids[:-1]]))  # each episode's first
+        order = np.argsort(per_call, kind="stable")
+        sorted_position = per_call[order]
+        starts = np.flatnonzero(np.concatenate([[True], sorted_position[1:] != sorted_position[:-1]]))
         cuts = [0]
-        for start in starts:
+        for start in starts:  # each episode's first call
             if start - cuts[-1] >= ASSEMBLY_BATCH_CALLS:
                 cuts.append(int(start))
         cuts.append(len(order))
         parts = []
         for lo, hi in tqdm(list(itertools.pairwise(cuts)), desc="assembling", unit="batch",
                            disable=self._no_bar(len(cuts) - 1), leave=False):  # fmt: skip
-            parts.append(assemble(calls.take(pa.array(order[lo:hi])), rewards))
+            rows = pa.array(order[lo:hi])
+            parts.append(assemble(calls.take(rows), rewards, pa.array(per_call[order[lo:hi]])))
         return pa.concat_tables([s for s, _ in parts]), pa.concat_tables([e for _, e in parts])
 
     @contextmanager
@@ -349,12 +357,9 @@ class Collector:
         (self.state_dir / "shards").mkdir(exist_ok=True)
         written: set[Path] = set()
         for kind, table in (("segments", segments), ("episodes", episodes)):
-            shards = _row_shards(table) if table.num_rows else np.zeros(0, np.int64)
-            order = np.argsort(shards, kind="stable")  # stable: episode order kept within a shard
-            bounds = np.flatnonzero(np.diff(shards[order])) + 1
-            for rows in np.split(order, bounds) if len(order) else []:
-                target = shard_path(self.state_dir, kind, int(shards[rows[0]]))
-                _write_atomic(table.take(pa.array(rows)), target)
+            for shard, rows in _shard_slices(table):
+                target = shard_path(self.state_dir, kind, shard)
+                _write_atomic(rows, target)
                 written.add(target)
         for stale in (self.state_dir / "shards").glob("*.parquet"):
             if stale not in written:
@@ -368,10 +373,10 @@ class Collector:
         touched_ids = sorted(touched)
         touched_shards = shard_of(touched_ids)
         for kind, table in (("segments", segments), ("episodes", episodes)):
-            row_shards = _row_shards(table) if table.num_rows else np.zeros(0, np.int64)
+            assembled = dict(_shard_slices(table))
             for shard in np.unique(touched_shards).tolist():
                 target = shard_path(self.state_dir, kind, shard)
-                new = table.filter(pa.array(row_shards == shard))  # still sorted by episode
+                new = assembled.get(shard, _KINDS[kind].empty_table())
                 replaced = pa.array([e for e, s in zip(touched_ids, touched_shards, strict=True) if s == shard])
                 if target.exists():
                     old = pq.read_table(target)
@@ -382,6 +387,16 @@ class Collector:
                     _write_atomic(new, target)
                 else:
                     target.unlink(missing_ok=True)
+
+
+def _shard_slices(table: pa.Table) -> Iterator[tuple[int, pa.Table]]:
+    """A table in shard order as (shard, its rows): zero-copy slices."""
+    if table.num_rows == 0:
+        return
+    shards = _row_shards(table)
+    bounds = [0, *(np.flatnonzero(np.diff(shards)) + 1).tolist(), len(shards)]
+    for lo, hi in itertools.pairwise(bounds):
+        yield int(shards[lo]), table.slice(lo, hi - lo)
 
 
 def _merge_sorted(old: pa.Table, new: pa.Table, replaced: pa.Array) -> pa.Table:

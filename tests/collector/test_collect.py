@@ -143,14 +143,15 @@ def test_assembly_in_batches_of_episodes_equals_one_batch(tmp_path, synthetic_st
     batches: list[int] = []
     real = collect_module.assemble
 
-    def counted(calls, rewards):
+    def counted(calls, rewards, episode_order=None):
         batches.append(calls.num_rows)
-        return real(calls, rewards)
+        return real(calls, rewards, episode_order)
 
     monkeypatch.setattr(collect_module, "assemble", counted)
     batched = full_rebuild(synthetic_store.uri, tmp_path, "batched")
     assert_same(batched, whole)
-    assert batches == [6, 3, 2]  # broken + compacted, linear, pending
+    # Episodes of 2 to 4 calls, cut once a batch holds 3 calls or more: never one batch, never a split episode.
+    assert len(batches) >= 3 and sum(batches) == 11 and all(n <= 3 + 3 for n in batches)
 
 
 def _episodes_for_arrival() -> list[SyntheticEpisode]:
