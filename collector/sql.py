@@ -110,10 +110,10 @@ def whole_prompts(episodes: pa.Array | pa.ChunkedArray) -> pa.Array:
             stack.extend(children[i])
         lo = hi
     lengths = np.array([0 if p is None else len(p) for p in prompts], dtype=np.int64)
-    offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+    offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]))  # 64-bit: a chunk's prompts may pass 2**31 ids
     values = np.concatenate([p for p in prompts if p is not None]) if lengths.any() else np.zeros(0, np.int32)
     missing = pa.array([p is None for p in prompts], pa.bool_())
-    prompt_ids = pa.ListArray.from_arrays(offsets, pa.array(values, pa.int32()), mask=missing)
+    prompt_ids = pa.LargeListArray.from_arrays(offsets, pa.array(values, pa.int32()), mask=missing)
     rebuilt = pa.StructArray.from_arrays([fields["call_id"], prompt_ids], names=["call_id", "prompt_token_ids"])
     outer = pa.array(np.concatenate([[0], np.cumsum(per_episode)]).astype(np.int32))
     return pa.ListArray.from_arrays(outer, rebuilt)
