@@ -64,13 +64,14 @@ def main() -> None:
             write_store(store, turns)
             con = connect(store)
             con.execute(RECURSIVE_VIEW)
-            figures = {}
+            sums, seconds = {}, {}
             for view in ("calls", "calls_recursive"):
                 start = time.perf_counter()
-                figures[view] = (con.execute(QUERY.format(view=view)).fetchone(), time.perf_counter() - start)
-            assert figures["calls"][0] == figures["calls_recursive"][0], figures
-            (ids, _), seconds = figures["calls"]
-            print(f"{turns:>6} {ids:>16,} {seconds:>8.2f} {figures['calls_recursive'][1]:>11.2f}", flush=True)
+                sums[view] = con.execute(QUERY.format(view=view)).fetchall()[0]
+                seconds[view] = time.perf_counter() - start
+            assert sums["calls"] == sums["calls_recursive"], sums
+            ids = sums["calls"][0]
+            print(f"{turns:>6} {ids:>16,} {seconds['calls']:>8.2f} {seconds['calls_recursive']:>11.2f}", flush=True)
 
 
 if __name__ == "__main__":
