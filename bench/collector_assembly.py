@@ -156,6 +156,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=4000)
     parser.add_argument("--timeout", type=float, default=300.0, help="Seconds per size; a size past it is cut.")
     parser.add_argument("--max-rss-gb", type=float, default=6.0, help="Stop a size whose process grows past this.")
+    parser.add_argument("--phases", default="full,parts", help="full (update runs), parts (read, assemble).")
     parser.add_argument("--measure", help=argparse.SUPPRESS)
     parser.add_argument("--phase", default="full", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -170,8 +171,8 @@ def main() -> None:
     rows = []
     for size in (int(s) for s in args.sizes.split(",")):
         store = ensure_store(size, args.prompt_tokens)
-        results: dict[str, dict | str] = {}
-        for phase in ("full", "parts"):
+        results: dict[str, dict | str] = {"parts": "parts: not measured"}
+        for phase in args.phases.split(","):
             command = ["taskset", "-c", CORES, sys.executable, __file__, "--measure", str(store), "--phase", phase]
             status, stdout, peak = run_bounded(command, args.timeout, args.max_rss_gb)
             lines = stdout.strip().splitlines()
