@@ -14,7 +14,7 @@ import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from collector.collect import DEFAULT_IDLE_SECONDS, collect, trainable
+from collector.collect import DEFAULT_IDLE_SECONDS, DEFAULT_RUN, collect, trainable
 from collector.episode import EPISODE_STATUSES, SEGMENT_SCHEMA
 from collector.sql import connect, mentions_episodes
 from forge.errors import ForgeError
@@ -151,8 +151,8 @@ def episode_filter(
 ) -> pa.Table:
     """The rows (episodes or segments) of one run / task / statuses / finished since."""
     masks = []
-    if run:
-        masks.append(pc.equal(table["run_id"], run))
+    if run:  # the sidecar files calls without a run id under run=default
+        masks.append(pc.equal(pc.fill_null(table["run_id"], DEFAULT_RUN), run))
     if task:
         masks.append(pc.equal(table["task_id"], task))
     if statuses:

@@ -53,6 +53,7 @@ from sidecar.store import Store, StoreError, open_store
 STATE_VERSION = "2"  # bump when the state's files change meaning: an old state is then rebuilt (2: shards)
 SHARDS = 64  # at 1M calls (1.8 GB of tokens) a shard holds ~28 MB: what one new episode rewrites
 DEFAULT_IDLE_SECONDS = 600.0
+DEFAULT_RUN = "default"  # the partition the sidecar files calls without a run id under (calls/run=default/)
 READ_THREADS = 4
 ASSEMBLY_BATCH_CALLS = 50_000
 STATE_ROW_GROUP = 1000  # segments per row group: the writer buffers one group, not the whole shard

@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from duckdb.func import FunctionNullHandling, PythonUDFType
 
-from collector.collect import DEFAULT_IDLE_SECONDS, Collection, collect
+from collector.collect import DEFAULT_IDLE_SECONDS, DEFAULT_RUN, Collection, collect
 from collector.episode import SEGMENT_SCHEMA
 from forge.errors import ForgeError
 from sidecar.record import TABLES
@@ -187,24 +187,29 @@ def connect(
     )
     if episodes:
         idle = DEFAULT_IDLE_SECONDS if idle_seconds is None else idle_seconds
-        register_episodes(con, collect(store, s3_endpoint, state_dir, idle, run=run))
+        register_episodes(con, collect(store, s3_endpoint, state_dir, idle, run=run), run)
     return con
 
 
-def register_episodes(con: duckdb.DuckDBPyConnection, collection: Collection) -> None:
+def register_episodes(con: duckdb.DuckDBPyConnection, collection: Collection, run: str | None = None) -> None:
     """The views ``episodes`` (in memory: one row per episode) and ``segments`` (over the state's shard files,
-    read by DuckDB as a query needs them, statuses made final as they are read)."""
-    con.register("episodes", collection.episodes)
-    if not collection.segment_files:
-        con.register("segments", SEGMENT_SCHEMA.empty_table())
-        return
+    read by DuckDB as a query needs them, statuses made final as they are read); with ``run``, that run's."""
+    con.register("_episodes", collection.episodes)
     con.register("_unfinished", pa.table({"episode_id": collection.unfinished}))
-    files = ", ".join("'" + str(path).replace("'", "''") + "'" for path in collection.segment_files)
+    con.register("_segments_empty", SEGMENT_SCHEMA.empty_table())
+    of_run = "" if run is None else f"WHERE coalesce(run_id, {_literal(DEFAULT_RUN)}) = {_literal(run)}"
+    con.execute(f"CREATE OR REPLACE VIEW episodes AS SELECT * FROM _episodes {of_run}")
+    files = ", ".join(_literal(str(path)) for path in collection.segment_files)
+    source = f"read_parquet([{files}])" if files else "_segments_empty"
     con.execute(
         "CREATE OR REPLACE VIEW segments AS SELECT * REPLACE (CASE WHEN episode_id IN "
         "(SELECT episode_id FROM _unfinished) THEN 'unfinished' ELSE status END AS status) "
-        f"FROM read_parquet([{files}])"
+        f"FROM {source} {of_run}"
     )
+
+
+def _literal(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
 
 
 def mentions_episodes(query: str) -> bool:

@@ -142,3 +142,5 @@ def test_a_run_option_reads_only_that_runs_partition(synthetic_store):
     store = ["--store", synthetic_store.uri]
     assert as_json("sql", *store, "--run", "run-b", "SELECT DISTINCT run FROM calls_raw") == [{"run": "run-b"}]
     assert [r["episode_id"] for r in as_json("episodes", *store, "--run", "run-a")] == ["compacted", "linear"]
+    assert as_json("sql", *store, "--run", "run-b", "SELECT DISTINCT run_id FROM segments") == [{"run_id": "run-b"}]
+    assert as_json("sql", *store, "--run", "run-b", "SELECT count(*) AS n FROM episodes") == [{"n": 2}]
