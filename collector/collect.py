@@ -356,12 +356,14 @@ class Collector:
     def _write_all_shards(self, segments: pa.Table, episodes: pa.Table) -> None:
         """A full rebuild: every shard written from the assembled tables, shards no longer used removed."""
         (self.state_dir / "shards").mkdir(exist_ok=True)
-        written: set[Path] = set()
-        for kind, table in (("segments", segments), ("episodes", episodes)):
-            for shard, rows in _shard_slices(table):
-                target = shard_path(self.state_dir, kind, shard)
-                _write_atomic(rows, target)
-                written.add(target)
+        jobs = [
+            (rows, shard_path(self.state_dir, kind, shard))
+            for kind, table in (("segments", segments), ("episodes", episodes))
+            for shard, rows in _shard_slices(table)
+        ]
+        with ThreadPoolExecutor(READ_THREADS) as pool:  # Parquet's encoding and compression release the GIL
+            list(pool.map(lambda job: _write_atomic(*job), jobs))
+        written = {target for _, target in jobs}
         for stale in (self.state_dir / "shards").glob("*.parquet"):
             if stale not in written:
                 stale.unlink()
@@ -373,21 +375,27 @@ class Collector:
         (self.state_dir / "shards").mkdir(exist_ok=True)
         touched_ids = sorted(touched)
         touched_shards = shard_of(touched_ids)
-        for kind, table in (("segments", segments), ("episodes", episodes)):
-            assembled = dict(_shard_slices(table))
-            for shard in np.unique(touched_shards).tolist():
-                target = shard_path(self.state_dir, kind, shard)
-                new = assembled.get(shard, _KINDS[kind].empty_table())
-                replaced = pa.array([e for e, s in zip(touched_ids, touched_shards, strict=True) if s == shard])
-                if target.exists():
-                    old = pq.read_table(target)
-                    if old.schema != _KINDS[kind]:
-                        raise ForgeError(f"{target} is not a state shard of this version: collect with --rebuild")
-                    new = _merge_sorted(old, new, replaced)
-                if new.num_rows:
-                    _write_atomic(new, target)
-                else:
-                    target.unlink(missing_ok=True)
+        assembled = {
+            kind: dict(_shard_slices(table)) for kind, table in (("segments", segments), ("episodes", episodes))
+        }
+
+        def rewrite(kind: str, shard: int) -> None:
+            target = shard_path(self.state_dir, kind, shard)
+            new = assembled[kind].get(shard, _KINDS[kind].empty_table())
+            replaced = pa.array([e for e, s in zip(touched_ids, touched_shards, strict=True) if s == shard])
+            if target.exists():
+                old = pq.read_table(target)
+                if old.schema != _KINDS[kind]:
+                    raise ForgeError(f"{target} is not a state shard of this version: collect with --rebuild")
+                new = _merge_sorted(old, new, replaced)
+            if new.num_rows:
+                _write_atomic(new, target)
+            else:
+                target.unlink(missing_ok=True)
+
+        jobs = [(kind, shard) for kind in ("segments", "episodes") for shard in np.unique(touched_shards).tolist()]
+        with ThreadPoolExecutor(READ_THREADS) as pool:  # a few shards at a time: reading and writing release the GIL
+            list(pool.map(lambda job: rewrite(*job), jobs))
 
 
 def _shard_slices(table: pa.Table) -> Iterator[tuple[int, pa.Table]]:
