@@ -6,6 +6,8 @@ measurement runs in its own process pinned to two cores, so its peak memory is i
   read/assemble  the two main parts of it, timed separately
   no-op       a second run with nothing new (reads the state back)
   one file    a run after one new file of one new episode landed (that file read, one episode rebuilt)
+  wide file   a run after one reward file for 1,000 existing episodes landed (their calls re-read, rebuilt)
+  read state  every segment read back from the state (what `forge collect` reads before it filters)
 
     .venv/bin/python bench/collector_assembly.py                   # 10k and 100k
     .venv/bin/python bench/collector_assembly.py --sizes 10000,100000,1000000 --timeout 600
@@ -25,6 +27,8 @@ from pathlib import Path
 CALLS_PER_EPISODE = 50
 CORES = "0,1"
 EXTRA_FILE = "zz-bench-extra-calls-0"  # the one-file step's file, removed after it (and before, if a run was killed)
+WIDE_FILE = "zz-bench-extra-rewards-0"  # the wide-file step's file, likewise
+WIDE_EPISODES = 1000
 
 
 def cache_root() -> Path:
@@ -50,12 +54,13 @@ def measure(store: Path, phase: str) -> dict[str, float]:
     """Runs in a child process: phase "full" (full, no-op and one-file runs) or "parts" (read, assemble)."""
     import pyarrow as pa
 
-    from bench.collector_generate import SyntheticEpisode, write_calls
+    from bench.collector_generate import SyntheticEpisode, write_calls, write_rewards
     from collector.collect import Collector
 
     figures: dict[str, float] = {}
-    for stale in store.rglob(f"{EXTRA_FILE}.parquet"):
-        stale.unlink()
+    for name in (EXTRA_FILE, WIDE_FILE):
+        for stale in store.rglob(f"{name}.parquet"):
+            stale.unlink()
     with tempfile.TemporaryDirectory() as state:
         collector = Collector(str(store), state_dir=Path(state), progress=False)
         if phase == "parts":
@@ -97,6 +102,22 @@ def measure(store: Path, phase: str) -> dict[str, float]:
             figures["one_file_rebuilt"] = result.episodes_rebuilt
         finally:
             os.unlink(extra)
+        print(json.dumps(figures), flush=True)
+        episodes = int(figures["episodes"])
+        picked = [f"e{e:06d}" for e in range(0, episodes, max(episodes // WIDE_EPISODES, 1))][:WIDE_EPISODES]
+        wide = write_rewards(str(store), [{"episode_id": e, "reward": 0.5} for e in picked], name=WIDE_FILE,
+                             run="bench")  # fmt: skip
+        try:
+            start = time.perf_counter()
+            result = collector.update()
+            figures["wide_file_s"] = time.perf_counter() - start
+            figures["wide_file_rebuilt"] = result.episodes_rebuilt
+            print(json.dumps(figures), flush=True)
+            start = time.perf_counter()
+            figures["state_segments"] = result.segments.num_rows
+            figures["read_state_s"] = time.perf_counter() - start
+        finally:
+            os.unlink(wide)
     figures["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return figures
 
@@ -135,6 +156,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=4000)
     parser.add_argument("--timeout", type=float, default=300.0, help="Seconds per size; a size past it is cut.")
     parser.add_argument("--max-rss-gb", type=float, default=6.0, help="Stop a size whose process grows past this.")
+    parser.add_argument("--phases", default="full,parts", help="full (update runs), parts (read, assemble).")
     parser.add_argument("--measure", help=argparse.SUPPRESS)
     parser.add_argument("--phase", default="full", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -144,17 +166,19 @@ def main() -> None:
     print(f"collector assembly, {CALLS_PER_EPISODE} calls per episode, prompts averaging {args.prompt_tokens} "
           f"tokens, pinned to cores {CORES}")  # fmt: skip
     header = f"{'calls':>9} {'episodes':>8} {'tokens out':>11} {'full s':>7} {'no-op s':>7} {'1 file s':>8} " \
-             f"{'peak MB':>8} | {'read s':>7} {'assemble s':>10} {'peak MB':>8}"  # fmt: skip
+             f"{'wide s':>7} {'state s':>7} {'peak MB':>8} | " \
+             f"{'read s':>7} {'assemble s':>10} {'peak MB':>8}"  # fmt: skip
     rows = []
     for size in (int(s) for s in args.sizes.split(",")):
         store = ensure_store(size, args.prompt_tokens)
-        results: dict[str, dict | str] = {}
-        for phase in ("full", "parts"):
+        results: dict[str, dict | str] = {"parts": "parts: not measured"}
+        for phase in args.phases.split(","):
             command = ["taskset", "-c", CORES, sys.executable, __file__, "--measure", str(store), "--phase", phase]
             status, stdout, peak = run_bounded(command, args.timeout, args.max_rss_gb)
             lines = stdout.strip().splitlines()
             if status and lines:  # stopped in a later step: keep the figures it printed before
-                results[phase] = {"noop_s": float("nan"), "one_file_s": float("nan"), **json.loads(lines[-1])}
+                results[phase] = {"noop_s": float("nan"), "one_file_s": float("nan"), "wide_file_s": float("nan"),
+                                  "read_state_s": float("nan"), **json.loads(lines[-1])}  # fmt: skip
                 print(f"  {size} {phase}: {status}; before that: {lines[-1]}", flush=True)
             elif status:
                 results[phase] = f"{phase}: {status} (peak RSS seen {peak / 1024:.0f} MB)"
@@ -166,7 +190,8 @@ def main() -> None:
         left: str = full if isinstance(full, str) else ""
         if isinstance(full, dict):
             left = (f"{full['episodes']:>8.0f} {full['tokens']:>11,.0f} {full['full_s']:>7.2f} "
-                    f"{full['noop_s']:>7.2f} {full['one_file_s']:>8.2f} {full['peak_rss_mb']:>8.0f}")  # fmt: skip
+                    f"{full['noop_s']:>7.2f} {full['one_file_s']:>8.2f} {full['wide_file_s']:>7.2f} "
+                    f"{full['read_state_s']:>7.2f} {full['peak_rss_mb']:>8.0f}")  # fmt: skip
         right = (f"{parts['read_s']:>7.2f} {parts['assemble_s']:>10.2f} {parts['peak_rss_mb']:>8.0f}"
                  if isinstance(parts, dict) else parts)  # fmt: skip
         rows.append(f"{size:>9} {left} | {right}")

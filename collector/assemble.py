@@ -131,8 +131,14 @@ class _Episode:
         self.segments: list[_Segment] = []
         self.calls: dict[str, _Call] = {}
         self.prompts: dict[object, str] = {}  # prompt key -> first call with that prompt
-        self.details: list[str] = []
-        self.n_merged = self.n_retries = 0
+        self.details: list[str] = []  # the first MAX_DETAILS problems, worded; the rest only counted
+        self.n_problems = self.n_merged = self.n_retries = 0
+
+    def problem(self, text: str) -> None:
+        """An episode's memory does not grow with its problems: a few are worded, the rest counted."""
+        self.n_problems += 1
+        if len(self.details) < MAX_DETAILS:
+            self.details.append(text)
 
     def ids(self, pieces: Iterable[tuple[int, int, int, int]]) -> np.ndarray:
         flats = (self.suffix.values, self.completion.values)
@@ -182,8 +188,11 @@ class _Episode:
         return [*head, suffix_piece]
 
 
-def assemble(calls: pa.Table, rewards: pa.Table | None = None) -> tuple[pa.Table, pa.Table]:
-    """Call records (``CALL_COLUMNS``) and reward records to (segments, episodes) tables.
+def assemble(
+    calls: pa.Table, rewards: pa.Table | None = None, episode_order: pa.Array | None = None
+) -> tuple[pa.Table, pa.Table]:
+    """Call records (``CALL_COLUMNS``) and reward records to (segments, episodes) tables, in episode id order or,
+    given ``episode_order`` (an integer per call row, equal for the calls of one episode), in that order.
 
     Statuses are complete / error / no_reward here; ``finalize`` turns recent no_reward episodes into
     unfinished ones (that depends on the whole store, so it runs after an incremental update too).
@@ -193,13 +202,13 @@ def assemble(calls: pa.Table, rewards: pa.Table | None = None) -> tuple[pa.Table
     was_enabled = gc.isenabled()
     gc.disable()
     try:
-        return _assemble(calls, rewards)
+        return _assemble(calls, rewards, episode_order)
     finally:
         if was_enabled:
             gc.enable()
 
 
-def _assemble(calls: pa.Table, rewards: pa.Table | None) -> tuple[pa.Table, pa.Table]:
+def _assemble(calls: pa.Table, rewards: pa.Table | None, episode_order: pa.Array | None) -> tuple[pa.Table, pa.Table]:
     calls = calls.select(CALL_COLUMNS)
     calls = calls.set_column(
         calls.schema.get_field_index("episode_id"), "episode_id", pc.fill_null(calls["episode_id"], NO_EPISODE_ID)
@@ -209,7 +218,11 @@ def _assemble(calls: pa.Table, rewards: pa.Table | None) -> tuple[pa.Table, pa.T
         return SEGMENT_SCHEMA.empty_table(), EPISODE_SCHEMA.empty_table()
     # Sorted by a permutation: the scalar columns are taken in order, the id lists only index through it.
     keys = [("episode_id", "ascending"), ("seq", "ascending"), ("started_at", "ascending"), ("call_id", "ascending")]
-    order = pc.sort_indices(calls.select([k for k, _ in keys]), sort_keys=keys).to_numpy()
+    sort_by = calls.select([k for k, _ in keys])
+    if episode_order is not None:
+        keys.insert(0, ("episode_order", "ascending"))
+        sort_by = sort_by.append_column("episode_order", episode_order)
+    order = pc.sort_indices(sort_by, sort_keys=keys).to_numpy()
     suffix = _Flat.of(calls["prompt_suffix_ids"], np.int32, order)
     completion = _Flat.of(calls["completion_token_ids"], np.int32, order)
     logprobs = _Flat.of(calls["completion_logprobs"], np.float32, order)
@@ -236,6 +249,10 @@ def _assemble(calls: pa.Table, rewards: pa.Table | None) -> tuple[pa.Table, pa.T
         aligned_lp[_ranges(completion.starts[lp_given], completion.lengths[lp_given])] = logprobs.values[
             _ranges(logprobs.starts[lp_given], logprobs.lengths[lp_given])
         ]
+    # Per call: completion tokens whose behaviour logprob is unknown (NaN: counted, the trainer decides) or
+    # infinite (-inf from a null upstream logprob: never trained on, the episode is an error).
+    n_unknown = _count_per_call(np.isnan(aligned_lp), completion)
+    n_infinite = _count_per_call(np.isinf(aligned_lp), completion)
 
     reward_of, call_reward_of = _rewards(rewards)
 
@@ -250,7 +267,7 @@ def _assemble(calls: pa.Table, rewards: pa.Table | None) -> tuple[pa.Table, pa.T
         counts = {"without_ids": 0, "truncated": 0, "errors": 0}
         for row in range(lo, hi):
             _assemble_call(episode, row, call_ids, parents, statuses, column["error"], seqs, prefix_lens,
-                           prompt_lens, has_suffix, lp_ok, counts)  # fmt: skip
+                           prompt_lens, has_suffix, lp_ok, n_infinite, counts)  # fmt: skip
         episode_id = episode_ids[lo]
         rows = range(lo, hi)
         task_id = next((column["task_id"][r] for r in rows if column["task_id"][r]), None)
@@ -259,10 +276,10 @@ def _assemble(calls: pa.Table, rewards: pa.Table | None) -> tuple[pa.Table, pa.T
         versions = sorted({v for r in rows if (v := column["policy_version"][r]) is not None}, key=_version_key)
         reward = reward_of.get(episode_id)
         detail: str | None = None
-        if episode.details:
+        if episode.n_problems:
             status = "error"
-            extra = len(episode.details) - MAX_DETAILS
-            detail = "; ".join(episode.details[:MAX_DETAILS]) + (f"; and {extra} more" if extra > 0 else "")
+            extra = episode.n_problems - len(episode.details)
+            detail = "; ".join(episode.details) + (f"; and {extra} more" if extra > 0 else "")
         else:
             status = "complete" if reward is not None else "no_reward"
         version_min = versions[0] if versions else None
@@ -271,19 +288,23 @@ def _assemble(calls: pa.Table, rewards: pa.Table | None) -> tuple[pa.Table, pa.T
             "group_id": f"{run_id}/{task_id}/v{version_min}" if task_id else episode_id, "harness": harness,
             "status": status, "status_detail": detail, "reward": reward,
         }  # fmt: skip
-        n_trainable_episode = n_tokens = 0
+        n_trainable_episode = n_tokens = n_unknown_episode = 0
         for index, segment in enumerate(episode.segments):
             seg_versions = sorted({v for r in segment.call_rows if (v := column["policy_version"][r]) is not None},
                                   key=_version_key)  # fmt: skip
             n_trainable = sum(length for _, _, length, mask in segment.pieces if mask)
             n_trainable_episode += n_trainable
             n_tokens += segment.length
+            # Every sampled token is trainable in exactly one segment: its call's whole completion.
+            n_unknown_segment = int(sum(n_unknown[r] for r in segment.call_rows))
+            n_unknown_episode += n_unknown_segment
             segment_rows.append({
                 **episode_common, "segment": index,
                 "policy_version_min": seg_versions[0] if seg_versions else None,
                 "policy_version_max": seg_versions[-1] if seg_versions else None,
                 "mixed_versions": len(seg_versions) > 1, "n_calls": len(segment.call_rows),
-                "n_trainable": n_trainable, "fork_reason": segment.reason, "fork_call_id": segment.fork_call_id,
+                "n_trainable": n_trainable, "n_unknown_logprobs": n_unknown_segment,
+                "fork_reason": segment.reason, "fork_call_id": segment.fork_call_id,
                 "shared_prefix_len": segment.shared_prefix_len,
                 "call_ids": [call_ids[r] for r in segment.call_rows],
                 "call_seqs": [seqs[r] for r in segment.call_rows],
@@ -299,6 +320,7 @@ def _assemble(calls: pa.Table, rewards: pa.Table | None) -> tuple[pa.Table, pa.T
             "n_forked": max(len(episode.segments) - 1, 0), "n_retries": episode.n_retries,
             "n_calls_without_ids": counts["without_ids"], "n_truncated": counts["truncated"],
             "n_call_errors": counts["errors"], "n_tokens": n_tokens, "n_trainable": n_trainable_episode,
+            "n_unknown_logprobs": n_unknown_episode,
             "policy_version_min": version_min, "policy_version_max": versions[-1] if versions else None,
             "mixed_versions": len(versions) > 1, "started_at": _min(started[r] for r in rows),
             "finished_at": _max(finished[r] for r in rows),
@@ -311,30 +333,33 @@ def _assemble(calls: pa.Table, rewards: pa.Table | None) -> tuple[pa.Table, pa.T
 
 def _assemble_call(
     episode: _Episode, row: int, call_ids: list, parents: list, statuses: list, errors: list, seqs: list,
-    prefix_lens: list, prompt_lens: list, has_suffix: np.ndarray, lp_ok: np.ndarray, counts: dict[str, int],
+    prefix_lens: list, prompt_lens: list, has_suffix: np.ndarray, lp_ok: np.ndarray, n_infinite: np.ndarray,
+    counts: dict[str, int],
 ) -> None:  # fmt: skip
     call_id, parent, status = call_ids[row], parents[row], statuses[row]
     where = f"call {call_id} (seq {seqs[row]})"
     if status != "ok":
         counts["truncated" if status == "truncated" else "errors"] += 1
-        episode.details.append(f"{where} {status}" + (f": {errors[row]}" if errors[row] else ""))
+        episode.problem(f"{where} {status}" + (f": {errors[row]}" if errors[row] else ""))
     if prompt_lens[row] is None or not has_suffix[row]:
         counts["without_ids"] += 1
-        episode.details.append(f"{where} has no token ids")
+        episode.problem(f"{where} has no token ids")
         return
     suffix, completion = episode.suffix, episode.completion
     s_start, s_len = int(suffix.starts[row]), int(suffix.lengths[row])
     c_start, c_len = int(completion.starts[row]), int(completion.lengths[row])
     prefix_len = prefix_lens[row] if parent is not None else 0
     if not lp_ok[row]:
-        episode.details.append(f"{where}: completion_logprobs do not match completion_token_ids")
+        episode.problem(f"{where}: completion_logprobs do not match completion_token_ids")
+    elif n_infinite[row]:
+        episode.problem(f"{where}: {n_infinite[row]} completion logprobs are infinite (-inf): not trainable")
     if prefix_len + s_len != prompt_lens[row]:
-        episode.details.append(f"{where}: prefix_len + suffix != prompt_len")
+        episode.problem(f"{where}: prefix_len + suffix != prompt_len")
 
     suffix_hash = hash(suffix.values[s_start : s_start + s_len].tobytes())
     parent_call = episode.calls.get(parent) if parent is not None else None
     if parent is not None and (parent_call is None or prefix_len > parent_call.full_len):
-        episode.details.append(f"{where}: its parent call {parent} is not in the store")
+        episode.problem(f"{where}: its parent call {parent} is not in the store")
         return
     if parent_call is None:
         prompt_key: object = ("prompt", suffix_hash)
@@ -412,6 +437,12 @@ def _rewards(rewards: pa.Table | None) -> tuple[dict[str, float], dict[str, floa
     return episode_reward, call_reward
 
 
+def _count_per_call(flags: np.ndarray, completion: _Flat) -> np.ndarray:
+    """Per row: how many of its completion tokens are flagged."""
+    total = np.concatenate([[0], np.cumsum(flags, dtype=np.int64)])
+    return total[completion.starts + completion.lengths] - total[completion.starts]
+
+
 def _min(values: Iterable[int | None]) -> int | None:
     return min((v for v in values if v is not None), default=None)
 
@@ -459,23 +490,27 @@ def _segments_table(
 _TOKEN_COLUMNS = ("input_ids", "loss_mask", "behaviour_logprobs")
 
 
-def finalize(segments: pa.Table, episodes: pa.Table, idle_seconds: float) -> tuple[pa.Table, pa.Table]:
-    """no_reward → unfinished for episodes whose last call is within ``idle_seconds`` of the store's newest call."""
-    if episodes.num_rows == 0:
-        return segments, episodes
+def unfinished_episodes(episodes: pa.Table, idle_seconds: float) -> pa.Array:
+    """The no_reward episodes whose last call is within ``idle_seconds`` of the store's newest call."""
     finished = pc.cast(episodes["finished_at"], pa.int64())
-    newest = pc.max(finished).as_py()
+    newest = pc.max(finished).as_py() if episodes.num_rows else None
     if newest is None:
-        return segments, episodes
+        return pa.array([], pa.string())
     recent = pc.greater(finished, newest - int(idle_seconds * 1e6))
     pending = pc.and_(pc.equal(episodes["status"], "no_reward"), pc.fill_null(recent, False))
-    unfinished = set(pc.filter(episodes["episode_id"], pending).to_pylist())
-    if not unfinished:
-        return segments, episodes
+    return pc.filter(episodes["episode_id"], pending)
 
-    def mark(table: pa.Table) -> pa.Table:
-        hit = pc.is_in(table["episode_id"], pa.array(sorted(unfinished)))
-        status = pc.if_else(hit, "unfinished", table["status"])
-        return table.set_column(table.schema.get_field_index("status"), table.schema.field("status"), status)
 
-    return mark(segments), mark(episodes)
+def mark_unfinished(table: pa.Table, unfinished: pa.Array) -> pa.Table:
+    """The rows (segments or episodes) of the given episodes with status ``unfinished``."""
+    if len(unfinished) == 0 or table.num_rows == 0:
+        return table
+    hit = pc.is_in(table["episode_id"], unfinished)
+    status = pc.if_else(hit, "unfinished", table["status"])
+    return table.set_column(table.schema.get_field_index("status"), table.schema.field("status"), status)
+
+
+def finalize(segments: pa.Table, episodes: pa.Table, idle_seconds: float) -> tuple[pa.Table, pa.Table]:
+    """no_reward → unfinished for episodes whose last call is within ``idle_seconds`` of the store's newest call."""
+    unfinished = unfinished_episodes(episodes, idle_seconds)
+    return mark_unfinished(segments, unfinished), mark_unfinished(episodes, unfinished)

@@ -14,8 +14,8 @@ import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from collector.collect import DEFAULT_IDLE_SECONDS, collect, trainable
-from collector.episode import EPISODE_STATUSES
+from collector.collect import DEFAULT_IDLE_SECONDS, DEFAULT_RUN, collect, trainable
+from collector.episode import EPISODE_STATUSES, SEGMENT_SCHEMA
 from collector.sql import connect, mentions_episodes
 from forge.errors import ForgeError
 from sidecar.store import StoreError, open_store
@@ -80,14 +80,17 @@ def run_query(con: duckdb.DuckDBPyConnection, query: str) -> tuple[list[str], li
 @click.command("sql")
 @click.argument("query", required=False)
 @store_options
+@click.option("--run", help="Only this run: lists and reads only its partitions (calls/run=RUN/, rewards/run=RUN/).")
 @FORMAT
-def sql_command(query: str | None, store: str, s3_endpoint: str | None, state: Path | None, fmt: str) -> None:
+def sql_command(
+    query: str | None, store: str, s3_endpoint: str | None, state: Path | None, run: str | None, fmt: str
+) -> None:
     """Run SQL over the store: views `calls` (whole prompt_token_ids), `rewards`, `episodes`, `segments`.
 
     Raw call rows are in `calls_raw`. Without QUERY, an interactive shell (statements end with `;`, `.quit`
     leaves). Example: forge sql "SELECT status, count(*) FROM episodes GROUP BY 1"
     """
-    con = connect(store, s3_endpoint, episodes=query is None or mentions_episodes(query), state_dir=state)
+    con = connect(store, s3_endpoint, episodes=query is None or mentions_episodes(query), state_dir=state, run=run)
     if query is not None:
         print_result(*run_query(con, query), fmt)
         return
@@ -148,8 +151,8 @@ def episode_filter(
 ) -> pa.Table:
     """The rows (episodes or segments) of one run / task / statuses / finished since."""
     masks = []
-    if run:
-        masks.append(pc.equal(table["run_id"], run))
+    if run:  # the sidecar files calls without a run id under run=default
+        masks.append(pc.equal(pc.fill_null(table["run_id"], DEFAULT_RUN), run))
     if task:
         masks.append(pc.equal(table["task_id"], task))
     if statuses:
@@ -166,7 +169,7 @@ def episode_filter(
 
 
 FILTERS = [
-    click.option("--run", help="Only this run id."),
+    click.option("--run", help="Only this run id: lists and reads only its partitions (calls/run=RUN/, ...)."),
     click.option("--task", help="Only this task id."),
     click.option("--since", help="Only episodes whose last call finished since (ISO time, or an age: 30m, 2h, 7d)."),
 ]
@@ -180,8 +183,8 @@ def filter_options(function: Callable) -> Callable:
 
 EPISODE_COLUMNS = [
     "episode_id", "task_id", "run_id", "status", "reward", "n_calls", "n_segments", "n_merged", "n_forked",
-    "n_retries", "n_tokens", "n_trainable", "policy_version_min", "policy_version_max", "finished_at",
-    "status_detail",
+    "n_retries", "n_tokens", "n_trainable", "n_unknown_logprobs", "policy_version_min", "policy_version_max",
+    "finished_at", "status_detail",
 ]  # fmt: skip
 
 
@@ -201,7 +204,7 @@ def episodes_command(
 
     Reads new files first (incrementally: only files not read before). Example: forge episodes --status error
     """
-    collection = collect(store, s3_endpoint, state, idle_seconds, rebuild)
+    collection = collect(store, s3_endpoint, state, idle_seconds, rebuild, run=run)
     table = episode_filter(collection.episodes, run, task, statuses, since).select(EPISODE_COLUMNS)
     print_result(table.column_names, [tuple(r.values()) for r in table.to_pylist()], fmt)
 
@@ -224,8 +227,12 @@ def collect_command(
     One row per segment: input_ids, loss_mask, behaviour_logprobs, reward, group_id, policy versions. Only
     complete episodes unless --status says otherwise. Example: forge collect --out ./batches/round-3.parquet
     """
-    collection = collect(store, s3_endpoint, state, idle_seconds, rebuild)
-    segments = episode_filter(trainable(collection.segments, statuses), run, task, (), since)
+    collection = collect(store, s3_endpoint, state, idle_seconds, rebuild, run=run)
+    # Shard by shard: what is held is the batch, not every segment of the store.
+    segments = pa.concat_tables(
+        [SEGMENT_SCHEMA.empty_table()]
+        + [episode_filter(trainable(shard, statuses), run, task, (), since) for shard in collection.segment_shards()]
+    )
     relative = "segments.parquet"
     target = out
     if out.endswith(".parquet"):

@@ -5,12 +5,13 @@ which each call's prompt is the previous call's prompt + completion + a new suff
 segment's tokens; ``loss_mask`` is 1 exactly on tokens the policy sampled in this segment's calls (their
 completions) and 0 on context (prompts, and sampled tokens of earlier calls that a fork repeats);
 ``behaviour_logprobs`` are the sampled tokens' logprobs, 0 where the mask is 0 (NaN on sampled tokens whose
-logprobs the upstream did not give). A call that does not extend the
+logprobs the upstream did not give; ``n_unknown_logprobs`` counts them). A call that does not extend the
 segment it follows starts a new one (``fork_reason`` says why); every sampled token is trainable in exactly one
 segment.
 
 Statuses: ``complete`` (an episode reward, every call ok), ``error`` (a call truncated, errored, without ids,
-or referring to a call not in the store: ``status_detail`` says which), ``unfinished`` (no reward yet and a call
+with an infinite logprob on a sampled token, or referring to a call not in the store: ``status_detail`` says
+which), ``unfinished`` (no reward yet and a call
 within the idle window of the store's newest call), ``no_reward`` (no reward and idle for longer). Only
 ``complete`` episodes are trainable by default.
 
@@ -20,7 +21,7 @@ policy version an episode started on is its round); an episode without a task id
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: n_unknown_logprobs
 
 EPISODE_STATUSES = ("complete", "error", "unfinished", "no_reward")
 
@@ -50,6 +51,8 @@ SEGMENT_SCHEMA = pa.schema(
         pa.field("mixed_versions", pa.bool_(), nullable=False),
         pa.field("n_calls", pa.int32(), nullable=False),  # calls merged into this segment
         pa.field("n_trainable", pa.int32(), nullable=False),  # sum of loss_mask
+        # Trainable tokens whose behaviour logprob the upstream did not give (NaN): visible; the trainer decides.
+        pa.field("n_unknown_logprobs", pa.int32(), nullable=False),
         pa.field("status", pa.string(), nullable=False),  # the episode's status
         pa.field("status_detail", pa.string()),
         pa.field("fork_reason", pa.string(), nullable=False),
@@ -90,6 +93,7 @@ EPISODE_SCHEMA = pa.schema(
         pa.field("n_call_errors", pa.int32(), nullable=False),  # status upstream_error or error
         pa.field("n_tokens", pa.int64(), nullable=False),  # sum of the segments' lengths
         pa.field("n_trainable", pa.int64(), nullable=False),
+        pa.field("n_unknown_logprobs", pa.int64(), nullable=False),  # the segments' sum
         pa.field("policy_version_min", pa.string()),
         pa.field("policy_version_max", pa.string()),
         pa.field("mixed_versions", pa.bool_(), nullable=False),

@@ -2,7 +2,8 @@
 
 merge rate: of the calls after an episode's first, the share that continued the segment they follow; fork rate:
 the share that started a new one (retries are counted beside them); trainable share: sampled tokens over all
-tokens of the segments; calls without ids and truncated calls: shares of all calls.
+tokens of the segments; calls without ids and truncated calls: shares of all calls; unknown logprobs: trainable
+tokens whose behaviour logprob the upstream did not give (NaN), and their share of the trainable tokens.
 """
 
 from pathlib import Path
@@ -23,7 +24,9 @@ SELECT CASE WHEN GROUPING(harness) = 0 THEN 'harness' ELSE 'run' END AS grouping
        sum(n_calls_without_ids)::BIGINT AS calls_without_ids,
        sum(n_calls_without_ids) / nullif(sum(n_calls), 0) AS without_ids_share,
        sum(n_truncated)::BIGINT AS truncated_calls,
-       sum(n_truncated) / nullif(sum(n_calls), 0) AS truncated_share
+       sum(n_truncated) / nullif(sum(n_calls), 0) AS truncated_share,
+       sum(n_unknown_logprobs)::BIGINT AS unknown_logprobs,
+       sum(n_unknown_logprobs) / nullif(sum(n_trainable), 0) AS unknown_logprob_share
 FROM episodes
 GROUP BY GROUPING SETS ((harness), (run_id))
 ORDER BY grouping, name
@@ -32,6 +35,7 @@ ORDER BY grouping, name
 PLOTTED = [
     ("merge_rate", "merge rate"), ("fork_rate", "fork rate"), ("trainable_share", "trainable tokens"),
     ("without_ids_share", "calls without ids"), ("truncated_share", "truncated calls"),
+    ("unknown_logprob_share", "trainable tokens without logprob"),
 ]  # fmt: skip
 
 
@@ -41,7 +45,7 @@ def fidelity(con: duckdb.DuckDBPyConnection) -> tuple[list[str], list[tuple]]:
 
 
 def plot(columns: list[str], rows: list[tuple], path: Path) -> None:
-    """One panel per grouping (harness, run): the five fidelity figures as grouped bars."""
+    """One panel per grouping (harness, run): the fidelity figures as grouped bars."""
     import matplotlib
 
     matplotlib.use("Agg")

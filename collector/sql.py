@@ -10,34 +10,113 @@ file the PyPI package ``duckdb-extension-httpfs`` ships. The collector reads the
 
 import os
 import re
+from collections import defaultdict
 from pathlib import Path
 from urllib.parse import urlparse
 
 import duckdb
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
+from duckdb.func import FunctionNullHandling, PythonUDFType
 
-from collector.collect import DEFAULT_IDLE_SECONDS, collect
+from collector.collect import DEFAULT_IDLE_SECONDS, DEFAULT_RUN, Collection, collect
+from collector.episode import SEGMENT_SCHEMA
 from forge.errors import ForgeError
 from sidecar.record import TABLES
 from sidecar.store import s3_endpoint_url
 
-# A call whose prompt extends an earlier one is stored as (parent_call_id, prefix_len, prompt_suffix_ids):
-# its whole prompt is the parent's prompt + completion, cut at prefix_len, + the suffix. Resolved along the
-# chain of parents, which is as long as the episode has turns.
-CALLS_VIEW = """
-CREATE OR REPLACE VIEW calls AS
-WITH RECURSIVE chain(call_id, prompt_token_ids, full_ids) AS (
-    SELECT call_id, prompt_suffix_ids, list_concat(prompt_suffix_ids, completion_token_ids)
-    FROM calls_raw WHERE parent_call_id IS NULL
-    UNION ALL
-    SELECT c.call_id,
-           list_concat(p.full_ids[1:c.prefix_len], c.prompt_suffix_ids),
-           list_concat(list_concat(p.full_ids[1:c.prefix_len], c.prompt_suffix_ids), c.completion_token_ids)
-    FROM calls_raw c JOIN chain p ON c.parent_call_id = p.call_id
-)
-SELECT r.* EXCLUDE (prompt_suffix_ids), chain.prompt_token_ids
-FROM calls_raw r LEFT JOIN chain USING (call_id)
+# A call whose prompt extends an earlier one is stored as (parent_call_id, prefix_len, prompt_suffix_ids): its
+# whole prompt is the parent's prompt + completion, cut at prefix_len, + the suffix. Rebuilt one episode at a
+# time by ``whole_prompts`` (a vectorised Python function DuckDB calls with each episode's calls): every call's
+# sequence is built once from its parent's, so an episode costs the size of its whole prompts, where a
+# recursive query re-joined every call of the store once per turn of the longest chain.
+WHOLE_PROMPTS_SQL = """
+SELECT w.c.call_id AS call_id, w.c.prompt_token_ids AS prompt_token_ids
+FROM (
+    SELECT unnest(forge_whole_prompts(list({'call_id': call_id, 'parent_call_id': parent_call_id,
+                  'prefix_len': prefix_len, 'prompt_suffix_ids': prompt_suffix_ids,
+                  'completion_token_ids': completion_token_ids}))) AS c
+    FROM calls_raw GROUP BY episode_id
+) w
 """
+# Trainable tokens without a behaviour logprob: the record's count, or (records written before it) the NaNs.
+UNKNOWN_LOGPROBS_SQL = (
+    "CASE WHEN len(completion_logprobs) = len(completion_token_ids) "
+    "THEN len(list_filter(completion_logprobs, x -> isnan(x))) ELSE coalesce(len(completion_token_ids), 0) END"
+)
+_CALL_TYPE = (
+    "STRUCT(call_id VARCHAR, parent_call_id VARCHAR, prefix_len INTEGER, prompt_suffix_ids INTEGER[], "
+    "completion_token_ids INTEGER[])[]"
+)
+_PROMPT_TYPE = "STRUCT(call_id VARCHAR, prompt_token_ids INTEGER[])[]"
+
+
+def _list_column(array: pa.Array) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A list<int32> array as (values, starts, lengths, valid), starts indexing values."""
+    offsets = array.offsets.to_numpy().astype(np.int64)
+    values = array.values.to_numpy(zero_copy_only=False).astype(np.int32, copy=False)
+    valid = array.is_valid().to_numpy(zero_copy_only=False)
+    return values, offsets[:-1], offsets[1:] - offsets[:-1], valid
+
+
+def whole_prompts(episodes: pa.Array | pa.ChunkedArray) -> pa.Array:
+    """Per episode (a list of its calls' references), each call's whole prompt ids, NULL where they cannot be
+    rebuilt (no ids, a parent not in the episode, a prefix longer than the parent's sequence).
+
+    Calls are visited parents first (not by seq, which a restarted sidecar may have begun again), and each
+    call's sequence (prompt + completion) is one copy of its parent's first prefix_len ids + its own ids: time
+    and memory follow the size of the whole prompts, never the depth of the chain times the store.
+    """
+    if isinstance(episodes, pa.ChunkedArray):
+        episodes = episodes.combine_chunks()
+    per_episode = pc.fill_null(pc.list_value_length(episodes), 0).to_numpy()
+    calls = episodes.flatten()
+    fields = dict(zip([f.name for f in calls.type], calls.flatten(), strict=True))
+    call_ids = fields["call_id"].to_pylist()
+    parents = fields["parent_call_id"].to_pylist()
+    prefix_lens = pc.fill_null(fields["prefix_len"], 0).to_numpy()
+    suffix, s_start, s_len, s_valid = _list_column(fields["prompt_suffix_ids"])
+    completion, c_start, c_len, _ = _list_column(fields["completion_token_ids"])
+    prompts: list[np.ndarray | None] = [None] * len(call_ids)
+    lo = 0
+    for count in per_episode.tolist():
+        hi = lo + count
+        index = {call_ids[i]: i for i in range(lo, hi)}
+        children: dict[int, list[int]] = defaultdict(list)
+        stack = []
+        for i in range(lo, hi):
+            parent = parents[i]
+            if parent is None:
+                stack.append(i)
+            elif parent in index:
+                children[index[parent]].append(i)
+        sequences: dict[int, np.ndarray] = {}  # prompt + completion of each rebuilt call of this episode
+        while stack:
+            i = stack.pop()
+            if not s_valid[i]:
+                continue  # no ids recorded: neither it nor what extends it can be rebuilt
+            own = suffix[s_start[i] : s_start[i] + s_len[i]]
+            done = completion[c_start[i] : c_start[i] + c_len[i]]
+            if parents[i] is None:
+                head = own[:0]
+            else:
+                head = sequences[index[parents[i]]]
+                if prefix_lens[i] > len(head):
+                    continue
+                head = head[: prefix_lens[i]]
+            sequences[i] = np.concatenate([head, own, done])
+            prompts[i] = sequences[i][: len(head) + len(own)]
+            stack.extend(children[i])
+        lo = hi
+    lengths = np.array([0 if p is None else len(p) for p in prompts], dtype=np.int64)
+    offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]))  # 64-bit: a chunk's prompts may pass 2**31 ids
+    values = np.concatenate([p for p in prompts if p is not None]) if lengths.any() else np.zeros(0, np.int32)
+    missing = pa.array([p is None for p in prompts], pa.bool_())
+    prompt_ids = pa.LargeListArray.from_arrays(offsets, pa.array(values, pa.int32()), mask=missing)
+    rebuilt = pa.StructArray.from_arrays([fields["call_id"], prompt_ids], names=["call_id", "prompt_token_ids"])
+    outer = pa.array(np.concatenate([[0], np.cumsum(per_episode)]).astype(np.int32))
+    return pa.ListArray.from_arrays(outer, rebuilt)
 
 
 def httpfs_extension() -> Path:
@@ -53,9 +132,12 @@ def httpfs_extension() -> Path:
 
 def connect(
     store: str, s3_endpoint: str | None = None, episodes: bool = False, state_dir: Path | None = None,
-    idle_seconds: float | None = None,
+    idle_seconds: float | None = None, run: str | None = None,
 ) -> duckdb.DuckDBPyConnection:  # fmt: skip
-    """A DuckDB connection with the store's views; with ``episodes``, also ``episodes`` and ``segments``."""
+    """A DuckDB connection with the store's views; with ``episodes``, also ``episodes`` and ``segments``.
+
+    With ``run``, only that run's partitions are listed and read (``calls/run=<run>/``, ``rewards/run=<run>/``).
+    """
     con = duckdb.connect(config={"autoinstall_known_extensions": False, "autoload_known_extensions": False})
     parsed = urlparse(store)
     if parsed.scheme == "s3":
@@ -76,8 +158,10 @@ def connect(
             raise ForgeError(f"no store at {root}: pass --store FOLDER or s3://bucket/prefix")
     else:
         raise ForgeError(f"unsupported store {store!r}: use a local folder or s3://bucket/prefix")
+    part = f"/run={run}" if run is not None else ""
     for table, schema in TABLES.items():
-        glob = f"{root}/{table}/**/*.parquet"
+        # Not hidden names: a local store's files being written are hidden (and end in .tmp besides).
+        glob = f"{root}/{table}{part}/**/[!.]*.parquet"
         has_files = con.execute("SELECT count(*) FROM glob(?)", [glob]).fetchone()
         if has_files and has_files[0]:
             source = f"read_parquet('{glob}', hive_partitioning = true, union_by_name = true)"
@@ -86,14 +170,46 @@ def connect(
             source = f"_{table}_empty"
         name = "calls_raw" if table == "calls" else table
         con.execute(f"CREATE OR REPLACE VIEW {name} AS SELECT * FROM {source}")
-    con.execute(CALLS_VIEW)
+    con.create_function(
+        "forge_whole_prompts", whole_prompts, [duckdb.sqltype(_CALL_TYPE)], duckdb.sqltype(_PROMPT_TYPE),
+        type=PythonUDFType.ARROW, null_handling=FunctionNullHandling.SPECIAL, side_effects=False,
+    )  # fmt: skip
+    raw_columns = {row[0] for row in con.execute("DESCRIBE calls_raw").fetchall()}
+    unknown = f"coalesce(r.n_unknown_logprobs, {UNKNOWN_LOGPROBS_SQL})"
+    columns = (
+        f"r.* EXCLUDE (prompt_suffix_ids) REPLACE ({unknown} AS n_unknown_logprobs)"
+        if "n_unknown_logprobs" in raw_columns  # files written before the column have none
+        else f"r.* EXCLUDE (prompt_suffix_ids), {UNKNOWN_LOGPROBS_SQL} AS n_unknown_logprobs"
+    )
+    con.execute(
+        f"CREATE OR REPLACE VIEW calls AS SELECT {columns}, w.prompt_token_ids "
+        f"FROM calls_raw r LEFT JOIN ({WHOLE_PROMPTS_SQL}) w USING (call_id)"
+    )
     if episodes:
-        collection = collect(
-            store, s3_endpoint, state_dir, DEFAULT_IDLE_SECONDS if idle_seconds is None else idle_seconds
-        )
-        con.register("segments", collection.segments)
-        con.register("episodes", collection.episodes)
+        idle = DEFAULT_IDLE_SECONDS if idle_seconds is None else idle_seconds
+        register_episodes(con, collect(store, s3_endpoint, state_dir, idle, run=run), run)
     return con
+
+
+def register_episodes(con: duckdb.DuckDBPyConnection, collection: Collection, run: str | None = None) -> None:
+    """The views ``episodes`` (in memory: one row per episode) and ``segments`` (over the state's shard files,
+    read by DuckDB as a query needs them, statuses made final as they are read); with ``run``, that run's."""
+    con.register("_episodes", collection.episodes)
+    con.register("_unfinished", pa.table({"episode_id": collection.unfinished}))
+    con.register("_segments_empty", SEGMENT_SCHEMA.empty_table())
+    of_run = "" if run is None else f"WHERE coalesce(run_id, {_literal(DEFAULT_RUN)}) = {_literal(run)}"
+    con.execute(f"CREATE OR REPLACE VIEW episodes AS SELECT * FROM _episodes {of_run}")
+    files = ", ".join(_literal(str(path)) for path in collection.segment_files)
+    source = f"read_parquet([{files}])" if files else "_segments_empty"
+    con.execute(
+        "CREATE OR REPLACE VIEW segments AS SELECT * REPLACE (CASE WHEN episode_id IN "
+        "(SELECT episode_id FROM _unfinished) THEN 'unfinished' ELSE status END AS status) "
+        f"FROM {source} {of_run}"
+    )
+
+
+def _literal(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
 
 
 def mentions_episodes(query: str) -> bool:

@@ -6,11 +6,13 @@ Token text comes from the prepared model's tokenizer, for display only; without 
 """
 
 import html
+import math
 from collections.abc import Callable
 from typing import Any
 
 import duckdb
 
+from collector.sql import UNKNOWN_LOGPROBS_SQL
 from forge.errors import ForgeError
 
 Decoder = Callable[[list[int]], list[str]]
@@ -27,6 +29,7 @@ td, th { border: 1px solid #ccc; padding: 2px 6px; text-align: left; }
 .tok { border-radius: 2px; }
 .ctx { background: #eceff1; color: #555; }
 .gen { background: #b9f6ca; color: #003d14; }
+.unk { background: #ffe0b2; color: #6d3b00; outline: 1px dashed #e65100; }
 .call-boundary { display: inline-block; background: #1a237e; color: #fff; font-size: 10px; padding: 0 3px;
                  margin: 0 2px; border-radius: 2px; }
 .legend span { padding: 0 6px; margin-right: 8px; }
@@ -66,7 +69,8 @@ def render_episode(con: duckdb.DuckDBPyConnection, episode_id: str, decode: Deco
     calls = _rows(
         con,
         "SELECT seq, call_id, status, finish_reason, policy_version, prompt_len, len(completion_token_ids) AS "
-        "completion_len, parent_call_id, prefix_len, error FROM calls_raw WHERE episode_id = ? ORDER BY seq",
+        f"completion_len, {UNKNOWN_LOGPROBS_SQL} AS unknown_logprobs, parent_call_id, prefix_len, error "
+        "FROM calls_raw WHERE episode_id = ? ORDER BY seq",
         [episode_id],
     )
     esc = html.escape
@@ -77,7 +81,8 @@ def render_episode(con: duckdb.DuckDBPyConnection, episode_id: str, decode: Deco
         "<table id='summary'>",
     ]
     for key in ("task_id", "run_id", "group_id", "harness", "status", "status_detail", "reward", "n_calls",
-                "n_segments", "n_merged", "n_forked", "n_retries", "n_tokens", "n_trainable", "policy_version_min",
+                "n_segments", "n_merged", "n_forked", "n_retries", "n_tokens", "n_trainable", "n_unknown_logprobs",
+                "policy_version_min",
                 "policy_version_max", "mixed_versions"):  # fmt: skip
         value = episode[key]
         css = f" class='status-{esc(str(value))}'" if key == "status" else ""
@@ -90,7 +95,9 @@ def render_episode(con: duckdb.DuckDBPyConnection, episode_id: str, decode: Deco
         out.append("".join(f"<td>{esc('' if call[c] is None else str(call[c]))}</td>" for c in columns) + "</tr>")
     out.append("</table><h2>Segments</h2>")
     out.append("<p class='legend'><span class='tok ctx'>context (mask 0)</span>"
-               "<span class='tok gen'>sampled (mask 1)</span><span class='call-boundary'>call</span></p>")  # fmt: skip
+               "<span class='tok gen'>sampled (mask 1)</span>"
+               "<span class='tok gen unk'>sampled, logprob unknown</span>"
+               "<span class='call-boundary'>call</span></p>")  # fmt: skip
     for segment in segments:
         out.append(_segment_html(segment, decode))
     out.append("</body></html>")
@@ -99,7 +106,7 @@ def render_episode(con: duckdb.DuckDBPyConnection, episode_id: str, decode: Deco
 
 def _segment_html(segment: dict[str, Any], decode: Decoder | None) -> str:
     esc = html.escape
-    ids, mask = segment["input_ids"], segment["loss_mask"]
+    ids, mask, logprobs = segment["input_ids"], segment["loss_mask"], segment["behaviour_logprobs"]
     texts = decode(ids) if decode else [f"#{i} " for i in ids]
     # A marker where each call's new context starts: the previous call's completion end (0 for the first call).
     marks: dict[int, str] = {}
@@ -111,16 +118,21 @@ def _segment_html(segment: dict[str, Any], decode: Decoder | None) -> str:
         marks[start] = marks.get(start, "") + marker
         start = end
     pieces = []
-    for position, (token, text, trainable) in enumerate(zip(ids, texts, mask, strict=True)):
+    for position, (token, text, trainable, logprob) in enumerate(zip(ids, texts, mask, logprobs, strict=True)):
         if position in marks:
             pieces.append(marks[position])
-        css = "gen" if trainable else "ctx"
-        pieces.append(f"<span class='tok {css}' title='{token}'>{esc(text)}</span>")
+        if not trainable:
+            pieces.append(f"<span class='tok ctx' title='{token}'>{esc(text)}</span>")
+        elif math.isnan(logprob):  # sampled, but the upstream gave no logprob for it
+            pieces.append(f"<span class='tok gen unk' title='{token} logprob unknown'>{esc(text)}</span>")
+        else:
+            pieces.append(f"<span class='tok gen' title='{token} logprob {logprob:.4f}'>{esc(text)}</span>")
     fork = f" from call {esc(segment['fork_call_id'])}" if segment["fork_call_id"] else ""
     return (
         f"<section class='segment' data-segment='{segment['segment']}' "
         f"data-fork-reason='{esc(segment['fork_reason'])}'>"
         f"<h3>Segment {segment['segment']}: {esc(segment['fork_reason'])}{fork}, shared prefix "
         f"{segment['shared_prefix_len']}, {segment['n_calls']} calls, {len(ids)} tokens, "
-        f"{segment['n_trainable']} trainable</h3><div class='tokens'>{''.join(pieces)}</div></section>"
+        f"{segment['n_trainable']} trainable, {segment['n_unknown_logprobs']} without logprob</h3>"
+        f"<div class='tokens'>{''.join(pieces)}</div></section>"
     )

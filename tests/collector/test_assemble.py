@@ -10,7 +10,7 @@ import pyarrow as pa
 import pytest
 
 from bench.collector_generate import SyntheticEpisode, lp_for
-from collector.assemble import assemble, finalize
+from collector.assemble import _Episode, assemble, finalize
 from sidecar.record import to_table
 
 SYSTEM = list(range(1000, 1032))  # 32 ids: longer than the sidecar's minimum shared prefix (16)
@@ -244,3 +244,52 @@ def test_a_call_without_logprobs_keeps_its_ids_trainable_with_unknown_logprobs()
     assert episodes["ep"]["status"] == "error"
     assert f"{episode.rows[2]['call_id']} (seq 2): completion_logprobs do not match" in episodes["ep"]["status_detail"]
     assert episode.rows[1]["call_id"] not in episodes["ep"]["status_detail"]
+    # Unknown logprobs are counted where they are trained: the 4 of the second call, the 3 of the misaligned third.
+    assert segment["n_unknown_logprobs"] == 7 and episodes["ep"]["n_unknown_logprobs"] == 7
+
+
+def test_unknown_logprobs_are_counted_per_segment_and_episode_and_do_not_make_an_error():
+    episode = SyntheticEpisode("ep")
+    history = linear(episode, 1)
+    prompt = [t for p, _ in history for t in p] + ids(600, 3)
+    nan = float("nan")
+    episode.call(prompt, ids(9000, 4), logprobs=[-0.5, nan, nan, -0.25])  # e.g. a Responses function-call turn
+    episode.call(SYSTEM + ids(29_000, 5), ids(9200, 3), logprobs=[nan, -1.0, -2.0])  # compaction: segment 1
+    segments, episodes = run(episode)
+    assert [s["n_unknown_logprobs"] for s in segments] == [2, 1]
+    assert sum(math.isnan(lp) for s in segments for lp in s["behaviour_logprobs"]) == 3
+    assert episodes["ep"]["n_unknown_logprobs"] == 3
+    assert episodes["ep"]["status"] == "complete" and episodes["ep"]["status_detail"] is None
+
+
+def test_an_infinite_logprob_on_a_sampled_token_makes_the_episode_an_error():
+    episode = SyntheticEpisode("ep")
+    history = linear(episode, 1)
+    prompt = [t for p, _ in history for t in p] + ids(600, 3)
+    bad = episode.call(prompt, ids(9000, 3), logprobs=[-0.5, float("-inf"), -0.25])  # a null from vLLM
+    clean = SyntheticEpisode("clean")
+    linear(clean, 2)
+    segments, episodes = run(episode, clean)
+    assert episodes["ep"]["status"] == "error"
+    assert [s["status"] for s in segments if s["episode_id"] == "ep"] == ["error"]  # not trainable by default
+    assert f"call {bad['call_id']} (seq 1): 1 completion logprobs are infinite" in episodes["ep"]["status_detail"]
+    assert episodes["ep"]["n_unknown_logprobs"] == 0  # -inf is not unknown: it is wrong
+    assert episodes["clean"]["status"] == "complete"
+
+
+def test_an_episode_keeps_a_few_problems_worded_and_counts_the_rest():
+    episode = SyntheticEpisode("ep")
+    prompt = SYSTEM + ids(100, 5)
+    for turn in range(40):
+        completion = ids(5000 + 10 * turn, 2)
+        episode.call(prompt, completion, status="truncated", error="client hung up")
+        prompt = prompt + completion + ids(300 + 10 * turn, 2)
+    _, episodes = run(episode)
+    detail = episodes["ep"]["status_detail"]
+    assert detail.count("truncated: client hung up") == 3 and detail.endswith("; and 37 more")
+    assert episodes["ep"]["n_truncated"] == 40
+    # The worded problems an episode holds are bounded however many its calls have.
+    held = _Episode(*(None,) * 3)  # type: ignore[arg-type]
+    for n in range(1000):
+        held.problem(f"problem {n}")
+    assert held.details == ["problem 0", "problem 1", "problem 2"] and held.n_problems == 1000

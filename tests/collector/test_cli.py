@@ -7,9 +7,10 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-from bench.collector_generate import write_rewards
+from bench.collector_generate import SyntheticEpisode, write_calls, write_rewards
 from collector.episode import SEGMENT_SCHEMA
 from forge.cli import cli
+from tests.collector.conftest import SYSTEM
 
 
 def forge(*args: str, input: str | None = None):
@@ -110,3 +111,36 @@ def test_view_writes_a_page_with_every_segment_and_masked_tokens(synthetic_store
     assert page.count("class='call-boundary' data-call-id=") == 4
     missing = forge("view", "nope", "--store", synthetic_store.uri, "--html", str(page_path))
     assert missing.exit_code == 2 and "no episode 'nope'" in missing.output
+
+
+def test_unknown_logprobs_show_in_episodes_report_and_viewer_and_an_infinite_one_is_not_collected(tmp_path):
+    nan = float("nan")
+    unknown, infinite = SyntheticEpisode("unknown", run_id="r"), SyntheticEpisode("infinite", run_id="r")
+    unknown.call(SYSTEM, [1, 2, 3, 4], logprobs=[-0.5, nan, nan, -0.25])
+    unknown.call([*SYSTEM, 1, 2, 3, 4, 9], [5, 6], logprobs=[nan, -1.0])
+    infinite.call(SYSTEM, [7, 8], logprobs=[-0.5, float("-inf")])
+    store = str(tmp_path / "store")
+    write_calls(store, unknown.rows + infinite.rows, run="r")
+    write_rewards(store, [{"episode_id": "unknown", "reward": 1.0}, {"episode_id": "infinite", "reward": 1.0}],
+                  run="r")  # fmt: skip
+    rows = {r["episode_id"]: r for r in as_json("episodes", "--store", store)}
+    assert (rows["unknown"]["status"], rows["unknown"]["n_unknown_logprobs"]) == ("complete", 3)
+    assert rows["infinite"]["status"] == "error" and "infinite" in rows["infinite"]["status_detail"]
+    (report,) = [r for r in as_json("report", "--store", store) if r["grouping"] == "run"]
+    assert (report["unknown_logprobs"], report["unknown_logprob_share"]) == (3, pytest.approx(3 / 8))
+    out = tmp_path / "batch.parquet"
+    assert forge("collect", "--store", store, "--run", "r", "--out", str(out)).exit_code == 0
+    assert pq.read_table(out)["episode_id"].to_pylist() == ["unknown"]  # never the -inf one
+    page = tmp_path / "unknown.html"
+    assert forge("view", "unknown", "--store", store, "--html", str(page), "--ids").exit_code == 0
+    html = page.read_text()
+    assert html.count("class='tok gen unk' title=") == 3 and html.count("class='tok gen' title=") == 3
+    assert ", 3 without logprob</h3>" in html  # one segment: the second call extends the first
+
+
+def test_a_run_option_reads_only_that_runs_partition(synthetic_store):
+    store = ["--store", synthetic_store.uri]
+    assert as_json("sql", *store, "--run", "run-b", "SELECT DISTINCT run FROM calls_raw") == [{"run": "run-b"}]
+    assert [r["episode_id"] for r in as_json("episodes", *store, "--run", "run-a")] == ["compacted", "linear"]
+    assert as_json("sql", *store, "--run", "run-b", "SELECT DISTINCT run_id FROM segments") == [{"run_id": "run-b"}]
+    assert as_json("sql", *store, "--run", "run-b", "SELECT count(*) AS n FROM episodes") == [{"n": 2}]

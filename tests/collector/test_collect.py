@@ -1,16 +1,20 @@
 """Incremental collection: only new files are read, the episodes they touch rebuilt, and the result equals a full
 rebuild; hidden (in-flight) files are never read; collecting beside a writing sidecar store is safe."""
 
+import itertools
 import os
+import random
 import threading
 from pathlib import Path
+from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
 
 import collector.collect as collect_module
 from bench.collector_generate import SyntheticEpisode, write_calls, write_rewards
-from collector.collect import collect
+from collector.collect import collect, shard_of
+from forge.errors import ForgeError
 from tests.collector.conftest import linear_calls
 
 
@@ -136,6 +140,152 @@ def test_an_old_state_is_rebuilt_not_trusted(tmp_path, synthetic_store):
 def test_assembly_in_batches_of_episodes_equals_one_batch(tmp_path, synthetic_store, monkeypatch):
     whole = full_rebuild(synthetic_store.uri, tmp_path, "whole")
     monkeypatch.setattr(collect_module, "ASSEMBLY_BATCH_CALLS", 3)  # episodes of 2 to 4 calls: 3 batches
+    batches: list[int] = []
+    real = collect_module.assemble
+
+    def counted(calls, rewards, episode_order=None):
+        batches.append(calls.num_rows)
+        return real(calls, rewards, episode_order)
+
+    monkeypatch.setattr(collect_module, "assemble", counted)
     batched = full_rebuild(synthetic_store.uri, tmp_path, "batched")
     assert_same(batched, whole)
-    assert batched.segments["input_ids"].num_chunks == 3
+    # Episodes of 2 to 4 calls, cut once a batch holds 3 calls or more: never one batch, never a split episode.
+    assert len(batches) >= 3 and sum(batches) == 11 and all(n <= 3 + 3 for n in batches)
+
+
+def _episodes_for_arrival() -> list[SyntheticEpisode]:
+    """Six episodes of varied shape: linear, compacted, retried, truncated (error), with and without parents."""
+    episodes = []
+    for i in range(6):
+        episode = SyntheticEpisode(f"ep-{i}", task_id=f"t{i % 2}", run_id=f"run-{i % 2}", parents=i != 3)
+        last = linear_calls(episode, 3 + i % 3, base=10_000 * i)
+        if i == 1:  # a compaction: a second segment
+            linear_calls(episode, 2, base=10_000 * i + 5000, prompt=[*last[:40], 7, 7, 7])
+        if i == 2:  # a retry of the last prompt
+            episode.call(last[: episode.rows[-1]["prompt_len"]], [1, 2])
+        if i == 4:
+            episode.call([*last, 5, 5], [9], status="truncated", error="client hung up")
+        episodes.append(episode)
+    return episodes
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_incremental_equals_a_full_rebuild_whatever_order_files_arrive_in(tmp_path, monkeypatch, seed):
+    """A property over random arrival orders: files of random slices of the calls and rewards land in a random
+    order (some replaced by a longer version, as a WAL replay does, some removed); collecting after any prefix
+    of arrivals equals a full rebuild of what is there. Three shards, so shards hold several episodes."""
+    monkeypatch.setattr(collect_module, "SHARDS", 3)
+    rng = random.Random(seed)
+    store, state = str(tmp_path / "store"), tmp_path / "state"
+    rows = [row for episode in _episodes_for_arrival() for row in episode.rows]
+    rng.shuffle(rows)
+    cuts = sorted(rng.sample(range(1, len(rows)), 5))
+    files = [rows[a:b] for a, b in itertools.pairwise([0, *cuts, len(rows)])]
+    arrivals: list[tuple[str, Any]] = [("calls", (n, part)) for n, part in enumerate(files)]
+    arrivals += [("rewards", (n, [{"episode_id": f"ep-{i}", "reward": float(i + n)}])) for n, i in
+                 enumerate(rng.sample(range(6), 4))]  # fmt: skip
+    rng.shuffle(arrivals)
+    written: list[str] = []
+    for step, (kind, (n, part)) in enumerate(arrivals):
+        if kind == "calls":
+            run = part[0]["run_id"]
+            written.append(write_calls(store, [r for r in part if r["run_id"] == run], name=f"s-calls-{n}", run=run))
+            if len({r["run_id"] for r in part}) > 1:  # the other run's rows in its own partition, as sidecars write
+                other = next(r["run_id"] for r in part if r["run_id"] != run)
+                written.append(write_calls(store, [r for r in part if r["run_id"] == other], name=f"s-calls-{n}",
+                                           run=other))  # fmt: skip
+        else:
+            written.append(write_rewards(store, part, name=f"s-rewards-{n}"))
+        if rng.random() < 0.2 and len(written) > 1:  # a file removed (an operator cleaning up)
+            os.unlink(written.pop(rng.randrange(len(written) - 1)))
+        if rng.random() < 0.6 or step == len(arrivals) - 1:
+            incremental = collect(store, state_dir=state, idle_seconds=0)
+            assert_same(incremental, full_rebuild(store, tmp_path, f"full-{step}"))
+    assert incremental.episodes.num_rows >= 1
+
+
+def test_an_update_rewrites_only_the_shards_of_the_episodes_it_touches(tmp_path, monkeypatch):
+    store, state = str(tmp_path / "store"), tmp_path / "state"
+    episodes = [SyntheticEpisode(f"e{i}") for i in range(40)]
+    for i, episode in enumerate(episodes):
+        linear_calls(episode, 2, base=1000 * i)
+    write_calls(store, [row for e in episodes for row in e.rows], name="s-calls-0")
+    collect(store, state_dir=state, idle_seconds=0)
+    assert len(list((state / "shards").glob("segments-*.parquet"))) == len(
+        set(shard_of(e.episode_id for e in episodes))
+    )
+    writes: list[str] = []
+    real = collect_module._write_atomic
+
+    def spy(table, target):
+        writes.append(target.name)
+        return real(table, target)
+
+    monkeypatch.setattr(collect_module, "_write_atomic", spy)
+    late = SyntheticEpisode("late")
+    linear_calls(late, 3, base=90_000)
+    write_calls(store, late.rows[:2], name="s-calls-1")
+    write_calls(store, late.rows[2:], name="s-calls-2")
+    write_rewards(store, [{"episode_id": "late", "reward": 1.0}])
+    updated = collect(store, state_dir=state, idle_seconds=0)
+    (shard,) = shard_of(["late"])
+    assert sorted(writes) == sorted([f"segments-{shard:03d}.parquet", f"episodes-{shard:03d}.parquet",
+                                     "manifest.parquet"])  # fmt: skip
+    assert (updated.files_read, updated.episodes_rebuilt) == (3, 1)
+    assert_same(updated, full_rebuild(store, tmp_path, "full"))
+
+
+def test_a_run_stopped_between_shards_and_manifest_is_redone_even_if_its_file_is_gone(tmp_path, monkeypatch):
+    store, state = str(tmp_path / "store"), tmp_path / "state"
+    a, b = SyntheticEpisode("a"), SyntheticEpisode("b")
+    linear_calls(a, 4)
+    linear_calls(b, 2, base=50_000)
+    write_calls(store, a.rows[:2] + b.rows, name="s-calls-0")
+    collect(store, state_dir=state, idle_seconds=0)
+    late = write_calls(store, a.rows[2:], name="s-calls-1")
+    real = collect_module._write_atomic
+
+    def stop_at_the_manifest(table, target):
+        if target.name == "manifest.parquet":
+            raise KeyboardInterrupt  # the process stopped here: a's shard holds calls of a file not in the manifest
+        return real(table, target)
+
+    monkeypatch.setattr(collect_module, "_write_atomic", stop_at_the_manifest)
+    with pytest.raises(KeyboardInterrupt):
+        collect(store, state_dir=state, idle_seconds=0)
+    monkeypatch.setattr(collect_module, "_write_atomic", real)
+    os.unlink(late)  # and the file it had read is gone before the next run
+    again = collect(store, state_dir=state, idle_seconds=0)
+    assert {r["episode_id"]: r["n_calls"] for r in again.episodes.to_pylist()} == {"a": 2, "b": 2}
+    assert_same(again, full_rebuild(store, tmp_path, "full"))
+    assert not (state / "pending.json").exists()
+
+
+def test_a_run_scoped_collect_lists_only_that_runs_partitions_and_keeps_the_others(tmp_path, monkeypatch):
+    store, state = str(tmp_path / "store"), tmp_path / "state"
+    a, b = SyntheticEpisode("a", run_id="run-a"), SyntheticEpisode("b", run_id="run-b")
+    linear_calls(a, 3)
+    linear_calls(b, 3, base=50_000)
+    write_calls(store, a.rows[:2], name="s-calls-0", run="run-a")
+    write_calls(store, b.rows[:2], name="s-calls-0", run="run-b")
+    collect(store, state_dir=state, idle_seconds=0)
+    write_calls(store, a.rows[2:], name="s-calls-1", run="run-a")
+    write_calls(store, b.rows[2:], name="s-calls-1", run="run-b")
+    listed: list[str] = []
+    real = collect_module.pafs.FileSelector
+
+    def selector(base_dir, *args, **kwargs):
+        listed.append(base_dir[len(str(tmp_path / "store")) :])
+        return real(base_dir, *args, **kwargs)
+
+    monkeypatch.setattr(collect_module.pafs, "FileSelector", selector)
+    scoped = collect(store, state_dir=state, idle_seconds=0, run="run-a")
+    assert listed == ["/calls/run=run-a", "/rewards/run=run-a"]
+    assert scoped.files_read == 1  # run-b's new file is not seen, and run-b's episode is kept as it was
+    assert {r["episode_id"]: r["n_calls"] for r in scoped.episodes.to_pylist()} == {"a": 3, "b": 2}
+    everything = collect(store, state_dir=state, idle_seconds=0)
+    assert everything.files_read == 1
+    assert_same(everything, full_rebuild(store, tmp_path, "full"))
+    with pytest.raises(ForgeError, match="one path segment"):
+        collect(store, state_dir=state, run="../x")

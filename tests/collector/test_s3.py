@@ -41,6 +41,10 @@ def test_queries_give_the_same_results_on_a_folder_and_on_s3(s3_server, tmp_path
         expected = query(local, sql)
         assert expected, sql
         assert query(remote, sql) == expected, sql
+    # One run's partition listed on S3 as in a folder (the state kept for the other run).
+    run_b = "SELECT episode_id, n_calls, status FROM episodes ORDER BY 1"
+    assert query([*remote, "--run", "run-b"], run_b) == query([*local, "--run", "run-b"], run_b)
+    assert [r["episode_id"] for r in query([*remote, "--run", "run-b"], run_b)] == ["broken", "pending"]
 
     out = f"s3://{s3_server.bucket}/batches/round-0.parquet"
     written = CliRunner().invoke(cli, ["collect", *remote, "--out", out], catch_exceptions=False)
