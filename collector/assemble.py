@@ -26,6 +26,8 @@ CALL_COLUMNS = [
     "error", "parent_call_id", "prefix_len", "prompt_suffix_ids", "prompt_len", "completion_token_ids",
     "completion_logprobs", "harness",
 ]  # fmt: skip
+# Columns newer records have and older ones lack: read where present.
+OPTIONAL_CALL_COLUMNS = ["policy_version_end"]
 REWARD_COLUMNS = ["episode_id", "call_id", "reward", "at"]
 NO_EPISODE_ID = "(no episode id)"
 MAX_DETAILS = 3  # status_detail names the first few problems of an episode and counts the rest
@@ -209,7 +211,8 @@ def assemble(
 
 
 def _assemble(calls: pa.Table, rewards: pa.Table | None, episode_order: pa.Array | None) -> tuple[pa.Table, pa.Table]:
-    calls = calls.select(CALL_COLUMNS)
+    optional = [c for c in OPTIONAL_CALL_COLUMNS if c in calls.column_names]
+    calls = calls.select(CALL_COLUMNS + optional)
     calls = calls.set_column(
         calls.schema.get_field_index("episode_id"), "episode_id", pc.fill_null(calls["episode_id"], NO_EPISODE_ID)
     )
@@ -232,6 +235,10 @@ def _assemble(calls: pa.Table, rewards: pa.Table | None, episode_order: pa.Array
     names = ("call_id", "episode_id", "parent_call_id", "status", "error", "policy_version", "task_id", "run_id",
              "harness")  # fmt: skip
     column = {name: calls[name].to_pylist() for name in names}
+    # A call's versions: the one asked before it was sent and, where recorded, the one as it ended (a call that
+    # straddles a publish has two).
+    ends = calls["policy_version_end"].to_pylist() if "policy_version_end" in optional else [None] * calls.num_rows
+    row_versions = [{v for v in pair if v is not None} for pair in zip(column["policy_version"], ends, strict=True)]
     call_ids, episode_ids = column["call_id"], column["episode_id"]
     parents, statuses = column["parent_call_id"], column["status"]
     seqs = pc.fill_null(calls["seq"], -1).to_numpy().tolist()
@@ -273,7 +280,7 @@ def _assemble(calls: pa.Table, rewards: pa.Table | None, episode_order: pa.Array
         task_id = next((column["task_id"][r] for r in rows if column["task_id"][r]), None)
         run_id = next((column["run_id"][r] for r in rows if column["run_id"][r]), None)
         harness = next((column["harness"][r] for r in rows if column["harness"][r]), None)
-        versions = sorted({v for r in rows if (v := column["policy_version"][r]) is not None}, key=_version_key)
+        versions = sorted(set().union(*(row_versions[r] for r in rows)), key=_version_key)
         reward = reward_of.get(episode_id)
         detail: str | None = None
         if episode.n_problems:
@@ -290,8 +297,7 @@ def _assemble(calls: pa.Table, rewards: pa.Table | None, episode_order: pa.Array
         }  # fmt: skip
         n_trainable_episode = n_tokens = n_unknown_episode = 0
         for index, segment in enumerate(episode.segments):
-            seg_versions = sorted({v for r in segment.call_rows if (v := column["policy_version"][r]) is not None},
-                                  key=_version_key)  # fmt: skip
+            seg_versions = sorted(set().union(*(row_versions[r] for r in segment.call_rows)), key=_version_key)
             n_trainable = sum(length for _, _, length, mask in segment.pieces if mask)
             n_trainable_episode += n_trainable
             n_tokens += segment.length

@@ -39,6 +39,7 @@ from tqdm import tqdm
 from collector.assemble import (
     CALL_COLUMNS,
     NO_EPISODE_ID,
+    OPTIONAL_CALL_COLUMNS,
     REWARD_COLUMNS,
     assemble,
     mark_unfinished,
@@ -203,10 +204,14 @@ class Collector:
 
         def read_one(file: StoreFile) -> pa.Table:
             try:
-                read = pq.read_table(file.path, filesystem=self.store.filesystem, columns=columns, filters=filters)
+                wanted = columns + (OPTIONAL_CALL_COLUMNS if table == "calls" else [])
+                try:
+                    read = pq.read_table(file.path, filesystem=self.store.filesystem, columns=wanted, filters=filters)
+                except pa.ArrowInvalid:  # a file from before an optional column existed
+                    read = pq.read_table(file.path, filesystem=self.store.filesystem, columns=columns, filters=filters)
             except (OSError, pa.ArrowInvalid) as error:
                 raise ForgeError(f"cannot read {file.path}: {str(error).splitlines()[0]}") from error
-            return read.cast(pa.schema([_SCHEMAS[table].field(c) for c in columns]))
+            return read.cast(pa.schema([_SCHEMAS[table].field(c) for c in read.column_names]))
 
         with ThreadPoolExecutor(READ_THREADS) as pool:
             return list(
@@ -266,7 +271,7 @@ class Collector:
                 older = [StoreFile(paths[i], table, sizes[i], mtimes[i]) for i in sorted(holding) if tables[i] == table]
                 extra = self.read(older, table, episodes=touched, what="re-reading") if older else []
                 empty = pa.Table.from_pylist([], schema=_SCHEMAS[table]).select(_COLUMNS[table])
-                inputs[table] = pa.concat_tables([empty, *new_rows[table], *extra])
+                inputs[table] = pa.concat_tables([empty, *new_rows[table], *extra], promote_options="default")
             segments, episodes = self.assemble(inputs["calls"], inputs["rewards"])
             del new_rows, inputs  # the calls read are done with: free them before the state is written
 

@@ -293,3 +293,17 @@ def test_an_episode_keeps_a_few_problems_worded_and_counts_the_rest():
     for n in range(1000):
         held.problem(f"problem {n}")
     assert held.details == ["problem 0", "problem 1", "problem 2"] and held.n_problems == 1000
+
+
+def test_a_call_that_straddles_a_publish_makes_its_episode_mixed():
+    episode = SyntheticEpisode("ep", task_id="t", run_id="r", policy_version="3")
+    linear(episode, 2)
+    episode.rows[-1]["policy_version_end"] = "4"  # the server's version changed while the last call was served
+    steady = SyntheticEpisode("steady", task_id="t", run_id="r", policy_version="3")
+    linear(steady, 2)
+    for row in steady.rows:
+        row["policy_version_end"] = "3"
+    segments, episodes = run(episode, steady)
+    ep = episodes["ep"]
+    assert (ep["policy_version_min"], ep["policy_version_max"], ep["mixed_versions"]) == ("3", "4", True)
+    assert not episodes["steady"]["mixed_versions"] and episodes["steady"]["policy_version_max"] == "3"

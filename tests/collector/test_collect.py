@@ -289,3 +289,20 @@ def test_a_run_scoped_collect_lists_only_that_runs_partitions_and_keeps_the_othe
     assert_same(everything, full_rebuild(store, tmp_path, "full"))
     with pytest.raises(ForgeError, match="one path segment"):
         collect(store, state_dir=state, run="../x")
+
+
+def test_files_from_before_policy_version_end_and_after_it_collect_together(tmp_path):
+    """A store holding records of the previous release (no policy_version_end column) and of this one."""
+    store = str(tmp_path / "store")
+    episode = SyntheticEpisode("ep", task_id="t", run_id="r", policy_version="5")
+    linear_calls(episode, 4)
+    old = write_calls(store, episode.rows[:2], name="old-calls-0", run="r")
+    table = pq.read_table(old).drop_columns(["policy_version_end"])
+    pq.write_table(table, old)  # as the previous release wrote it
+    for row in episode.rows[2:]:
+        row["policy_version_end"] = "6"
+    write_calls(store, episode.rows[2:], name="new-calls-0", run="r")
+    write_rewards(store, [{"episode_id": "ep", "reward": 1.0}], run="r")
+    result = collect(store, state_dir=tmp_path / "state", idle_seconds=0)
+    [row] = result.episodes.to_pylist()
+    assert (row["n_calls"], row["policy_version_min"], row["policy_version_max"]) == (4, "5", "6")
