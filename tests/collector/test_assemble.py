@@ -303,7 +303,7 @@ def test_a_call_that_straddles_a_publish_makes_its_episode_mixed():
     linear(steady, 2)
     for row in steady.rows:
         row["policy_version_end"] = "3"
-    segments, episodes = run(episode, steady)
+    _, episodes = run(episode, steady)
     ep = episodes["ep"]
     assert (ep["policy_version_min"], ep["policy_version_max"], ep["mixed_versions"]) == ("3", "4", True)
     assert not episodes["steady"]["mixed_versions"] and episodes["steady"]["policy_version_max"] == "3"
