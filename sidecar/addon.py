@@ -30,9 +30,7 @@ import threading
 import time
 import urllib.request
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from http.client import HTTPConnection, HTTPSConnection
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -59,6 +57,7 @@ from sidecar.redact import (
 )
 from sidecar.sse import EventFramer
 from sidecar.store import open_store
+from sidecar.version import VersionClock
 from sidecar.writer import RecordWriter, now_us, pack_floats, pack_ids
 
 log = logging.getLogger("openforge.sidecar")
@@ -67,12 +66,6 @@ TASK_HEADER = "x-forge-task-id"
 HOP_SECRETS = ("authorization", "x-api-key", "api-key")  # the policy server needs none of the harness's keys
 DEFAULT_MODEL_HOSTS = "api.openai.com,api.anthropic.com"
 MAX_RECORDED_BODY = 4 << 20  # bodies bigger than this are recorded as a note, not copied
-VERSION_TIMEOUT_S = 2.0  # asking the policy server its weight version (idle: about 1 ms; busy: one engine step)
-
-
-def _version_text(answer: Any) -> str | None:
-    version = answer.get("weight_version") if isinstance(answer, dict) else None
-    return None if version is None else str(version)
 
 
 @dataclass
@@ -107,7 +100,7 @@ class Forge:
         self.metrics = Metrics()
         self.prefixes = PrefixIndex()
         self.in_flight: dict[str, tuple[http.HTTPFlow, Call]] = {}  # calls begun, not yet recorded
-        self.probes = ThreadPoolExecutor(2, thread_name_prefix="forge-version")
+        self.versions: VersionClock | None = None  # asks the server's weight version around each call
         self.writer: RecordWriter | None = None
         self.admin: AdminServer | None = None
         self.policy_version: str | None = None  # fixed by --policy-version; else asked per call
@@ -169,6 +162,9 @@ class Forge:
         self.sidecar_id = self.writer.sidecar_id
         self.policy_model = o.forge_policy_model or None
         self.policy_version = o.forge_policy_version or None
+        if not self.policy_version:
+            writer = self.writer
+            self.versions = VersionClock(self.upstream, lambda row, v: writer.complete(row, {"policy_version_end": v}))
         threading.Thread(target=self._watch_policy, name="forge-policy", daemon=True).start()
         self.pod_episode = os.environ.get("FORGE_EPISODE_ID") or os.environ.get("POD_UID") or None
         if o.forge_admin_port:
@@ -215,6 +211,8 @@ class Forge:
             log.error("%d records are still in the write-ahead log; the next start replays them",
                       self.writer.pending())  # fmt: skip
             atexit.register(os._exit, 3)  # after mitmproxy's own clean-up: a stop that leaves records is not clean
+        if self.versions:
+            self.versions.stop()
 
     def _watch_policy(self) -> None:
         """Keep the served model name current, and whether the policy server is up (the version is per call)."""
@@ -271,7 +269,7 @@ class Forge:
             if api in apis.RECORDED:
                 self._begin(flow, api)
                 call: Call = flow.metadata["forge_call"]
-                call.policy_version = self.policy_version or await self._version_before()
+                call.policy_version = self.policy_version or (await self.versions.before() if self.versions else None)
             else:  # served by the policy, not a sampled call: routed, never recorded
                 self._strip_hop_secrets(flow)
                 self._route(flow)
@@ -435,48 +433,6 @@ class Forge:
              "last_id": data[-1]["id"] if data else None}
         ).encode()  # fmt: skip
 
-    async def _version_before(self) -> str | None:
-        """The server's weight version now, asked for this call just before it is sent (None: not known)."""
-        upstream = self.upstream
-        try:
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(
-                    upstream.hostname, upstream.port or (443 if upstream.scheme == "https" else 80),
-                    ssl=upstream.scheme == "https" or None,
-                ),
-                VERSION_TIMEOUT_S,
-            )  # fmt: skip
-            try:
-                request = f"GET /weight_info HTTP/1.1\r\nHost: {upstream.netloc}\r\nConnection: close\r\n\r\n"
-                writer.write(request.encode())
-                answer = await asyncio.wait_for(reader.read(), VERSION_TIMEOUT_S)
-            finally:
-                writer.close()
-            head, _, body = answer.partition(b"\r\n\r\n")
-            if not head.startswith(b"HTTP/1.1 200"):
-                return None
-            return _version_text(json.loads(body))
-        except (OSError, TimeoutError, ValueError):
-            return None
-
-    def _complete_version(self, row_id: int) -> None:
-        """In a worker thread: the server's weight version now, after the call; a call that straddles a publish
-        differs here from its ``policy_version``."""
-        upstream = self.upstream
-        kind = HTTPSConnection if upstream.scheme == "https" else HTTPConnection
-        connection = kind(upstream.hostname or "127.0.0.1", upstream.port, timeout=VERSION_TIMEOUT_S)
-        version = None
-        try:
-            connection.request("GET", "/weight_info")
-            answer = connection.getresponse()
-            version = _version_text(json.loads(answer.read())) if answer.status == 200 else None
-        except (OSError, ValueError):
-            pass
-        finally:
-            connection.close()
-        assert self.writer is not None
-        self.writer.complete(row_id, {"policy_version_end": version})
-
     def _route(self, flow: http.HTTPFlow) -> None:
         upstream = self.upstream
         flow.request.scheme = upstream.scheme or "http"
@@ -610,12 +566,12 @@ class Forge:
         }  # fmt: skip
         # The version as the call ends is asked off the event loop (vLLM answers between engine steps): the row
         # is logged now and held in the WAL until the answer completes it (at most writer.HOLD_S).
-        probe = call.policy_version is not None and not self.policy_version
+        probe = call.policy_version is not None and self.versions is not None
         row_id = self.writer.append("calls", checked_row("calls", row), hold=probe)
         if row_id is not None:
             self.metrics.inc(f'calls_total{{status="{status}"}}')
-            if probe:
-                self.probes.submit(self._complete_version, row_id)
+            if probe and self.versions:
+                self.versions.after(row_id)
 
     def _internal_error(self, where: str, error: Exception) -> None:
         self.metrics.inc("internal_errors_total")
