@@ -3,6 +3,7 @@ ways, and the events we emit checked against the official ``anthropic`` SDK's ty
 
 import json
 import math
+from typing import Any
 
 import pydantic
 import pytest
@@ -53,7 +54,7 @@ def test_responses_prepare_asks_for_ids_and_logprobs_and_keeps_the_harness_inclu
 
 
 def whole_response(
-    logprobs: list[float | None], tokens: list[int], function_call: bool = False, texts: list[str] | None = None,
+    logprobs: list[Any], tokens: list[int], function_call: bool = False, texts: list[str] | None = None,
     output_text: str | None = None,
 ) -> dict:  # fmt: skip
     """A Responses answer as vLLM 0.32 writes it: one output message with every id, the text's logprobs in a

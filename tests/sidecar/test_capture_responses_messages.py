@@ -100,7 +100,8 @@ def test_responses_records_the_ids_vllm_sampled(start_sidecar, policy_server, vl
         assert calls, "greedy SmolLM2 calls the tool on this prompt (as on the chat path)"
 
 
-SPEAK_THEN_CALL = {  # greedy SmolLM2 answers this with a sentence, then the tool call (a message + function_call)
+# Greedy SmolLM2 answers this with a sentence, then the tool call: a message item and a function_call item.
+SPEAK_THEN_CALL: dict[str, Any] = {
     "max_output_tokens": 60, "temperature": 0,
     "instructions": "Before calling a tool, say one short sentence. " + SYSTEM,
     "input": [{"role": "user", "content": "What is the weather in Paris?"},
@@ -142,7 +143,7 @@ def test_responses_text_and_tool_call_logprobs_align_with_their_ids_position_by_
     gaps = {i: abs(recorded[i] - forced[i]) for i in known}
     assert all(gap < limit for gap in gaps.values()), gaps  # position by position
     assert call["n_unknown_logprobs"] == len(ids) - len(known)
-    text = reply.output[0].content[0].text  # type: ignore[union-attr]
+    text = reply.output[0].content[0].text
     if stream:  # the text's ids, from the first, without a gap; the function call's ids have none
         spoken = len(known)
         assert known == list(range(spoken)) and 0 < spoken < len(ids)
