@@ -359,3 +359,11 @@ def test_codex_installation_ids_never_reach_a_record():
     for secrets in (secrets_in_body(body), secrets_in_headers({"x-codex-turn-metadata": turn})):
         scrubbed = redacted_text(text, secrets)
         assert installation not in scrubbed and REDACTED in scrubbed and "s-1" in scrubbed
+
+
+def test_a_secret_spelled_with_json_escapes_is_scrubbed_too():
+    """JSON may write any character as \\uXXXX (and / as \\/): decoded, that text is the secret itself."""
+    secret = "sk-pl/anted-0123"
+    text = '{"content": "a \\u0073k-pl\\/anted-0123 b \\u0053K-pl/anted-0123 c sk-pl/anted-0123 \\u001b"}'
+    scrubbed = json.loads(redacted_text(text, [secret]))["content"]
+    assert secret not in scrubbed and scrubbed.count(REDACTED) == 2 and "SK-pl/anted-0123" in scrubbed
