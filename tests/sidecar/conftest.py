@@ -220,8 +220,33 @@ def assert_sampled_by_vllm(vllm, policy_server, call: dict) -> None:
         for token, recorded, position in zip(ids, call["completion_logprobs"], forced, strict=True)
         if not math.isnan(recorded)
     ]
+    assert call["n_unknown_logprobs"] == len(ids) - len(gaps)
+    if not gaps:  # vLLM gave none (a Responses answer that is only a function call): said, never hidden
+        assert call["note"] and "NaN" in call["note"], call["note"]
+        return
     median_limit, max_limit = (1e-3, 1e-2) if policy_server.dtype == "float32" else (0.05, 5.0)
-    assert gaps and statistics.median(gaps) < median_limit and max(gaps) < max_limit, gaps
+    assert statistics.median(gaps) < median_limit and max(gaps) < max_limit, gaps
+
+
+def call_table(calls: list[dict]) -> str:
+    """One line per call: what a failed harness test prints, so every call's fate is seen at once."""
+    lines = [f"{'seq':>3}  {'status':<14} {'finish':<10} {'prompt':>6} {'ids':>4} {'NaN':>4}  error / note"]
+    for c in calls:
+        lines.append(
+            f"{c['seq']:>3}  {c['status']:<14} {c['finish_reason']!s:<10} {c['prompt_len'] or 0:>6} "
+            f"{len(c['completion_token_ids'] or []):>4} {c['n_unknown_logprobs'] or 0:>4}  "
+            f"{(c['error'] or c['note'] or '')[:160]}"
+        )
+    return "\n".join(lines)
+
+
+def assert_harness_succeeded(run: subprocess.CompletedProcess, calls: list[dict]) -> None:
+    """The harness exited 0 and every model call it made was recorded ok (the table of all calls otherwise)."""
+    table = call_table(calls)
+    print(table)
+    transcript = (run.stdout + run.stderr)[-3000:]
+    assert run.returncode == 0, f"the harness exited {run.returncode}:\n{transcript}\n{table}"
+    assert calls and all(c["status"] == "ok" for c in calls), f"not every call is ok:\n{table}\n{transcript}"
 
 
 def installed_harness(name: str) -> str:
