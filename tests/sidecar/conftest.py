@@ -211,10 +211,12 @@ def assert_sampled_by_vllm(vllm, policy_server, call: dict) -> None:
     within a few hundredths, with outliers of several nats. A wrong id differs by whole nats.
     (NaN: vLLM gave no logprob for that id; the record's note says so.)"""
     ids = call["completion_token_ids"]
-    forced = vllm.post("/v1/completions", timeout=FORCED_TIMEOUT_S, json={
+    answer = vllm.post("/v1/completions", timeout=FORCED_TIMEOUT_S, json={
         "model": policy_server.name, "prompt": call["prompt_token_ids"] + ids, "max_tokens": 1, "prompt_logprobs": 0,
         "temperature": 0,
-    }).json()["choices"][0]["prompt_logprobs"][len(call["prompt_token_ids"]):]  # fmt: skip
+    }).json()  # fmt: skip
+    assert "choices" in answer, f"teacher forcing failed: {answer}"
+    forced = answer["choices"][0]["prompt_logprobs"][len(call["prompt_token_ids"]) :]
     gaps = [
         abs(position[str(token)]["logprob"] - recorded)
         for token, recorded, position in zip(ids, call["completion_logprobs"], forced, strict=True)
