@@ -80,6 +80,7 @@ def test_a_reward_needs_the_verifiers_token_and_its_source_is_the_servers(start_
     token_file = sidecar.wal_dir / "reward-token"
     token = sidecar.reward_token()
     assert token_file.stat().st_mode & 0o777 == 0o600 and len(token) >= 32
+    assert sidecar.wal_dir.stat().st_mode & 0o777 == 0o700  # and in a folder only the sidecar's uid enters
     assert str(token_file) in sidecar.log() and token not in sidecar.log()  # its path is logged, never its value
     forged = {"episode_id": "episode-1", "reward": 100.0, "source": "verifier"}
     assert sidecar.post_admin("/reward", forged, token=None)[0] == 401
