@@ -25,7 +25,7 @@ from tests.sidecar.conftest import (
 
 pytestmark = pytest.mark.integration
 CLAUDE_TIMEOUT_S = 420
-MAX_COMPLETION_TOKENS = 64
+MAX_COMPLETION_TOKENS = 384
 
 
 @pytest.fixture(scope="module")
