@@ -106,7 +106,10 @@ class Handler(BaseHTTPRequestHandler):
             self.send_json(400, {"error": {"message": "invalid JSON", "type": "BadRequestError", "code": 400}})
             return
         if not body.get("stream"):
-            self.send_json(200, chat_answer(body))
+            answer = chat_answer(body)
+            if behaviour == "null-logprob" and answer["choices"][0]["logprobs"]:
+                answer["choices"][0]["logprobs"]["content"][2]["logprob"] = None  # not a sampled token's logprob
+            self.send_json(200, answer)
             return
         self.send_response(200)
         self.send_header("content-type", "text/event-stream")
@@ -118,6 +121,10 @@ class Handler(BaseHTTPRequestHandler):
                 self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
                 self.connection.close()  # RST: the upstream dies mid-answer
                 return
+            if behaviour == "error-event" and i == 3:  # vLLM's way to end a stream that failed mid-way
+                failure = {"error": {"message": "engine died", "type": "InternalServerError", "code": 500}}
+                self.write_chunk(f"data: {json.dumps(failure)}\n\n".encode())
+                break
             self.write_chunk(f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n".encode())
             if behaviour == "slow":
                 time.sleep(0.3)

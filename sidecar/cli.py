@@ -154,8 +154,8 @@ def sidecar_command(
     confdir = ca_dir.resolve() if ca_dir else wal / "mitmproxy"
     if ca_dir and not (confdir / ca.CA_FILE).exists():
         raise ForgeError(f"no CA in {confdir}: run `forge ca init --dir {ca_dir}` first")
+    wal.mkdir(mode=0o700, parents=True, exist_ok=True)  # records and the reward token: the sidecar's uid only
     confdir.mkdir(parents=True, exist_ok=True)
-    wal.mkdir(parents=True, exist_ok=True)
     transparent = mode == "transparent"
     if listen_host is None:
         listen_host = "" if transparent else "127.0.0.1"  # REDIRECT sends IPv4 to 127.0.0.1 and IPv6 to ::1

@@ -3,6 +3,7 @@ anything that is (request and response bodies), wherever a harness put them."""
 
 import base64
 import binascii
+import functools
 import json
 import os
 import re
@@ -79,9 +80,37 @@ def secrets_in_body(body: dict[str, Any]) -> list[str]:
 
 
 def scrub_text(text: str, secrets: list[str]) -> str:
+    # JSON text may spell a secret with escapes (\u0073k-..., \/): decoded, it is the secret. The slower
+    # escape-aware match runs only for a secret holding a character that the text escapes somewhere.
+    escaped = _escaped_chars(text) if "\\" in text else set()
     for secret in sorted({s for s in secrets if len(s) >= MIN_SECRET_LEN}, key=len, reverse=True):
-        text = text.replace(secret, REDACTED)
+        if "\\" in text and (not escaped.isdisjoint(secret) or not secret.isascii()):
+            text = _escaped_form(secret).sub(REDACTED, text)
+        else:
+            text = text.replace(secret, REDACTED)
     return text
+
+
+_ASCII_ESCAPE = re.compile(r"\\u(00[2-7][0-9a-fA-F])")  # printable ASCII written as \u00XX (rare: fast to look for)
+
+
+def _escaped_chars(text: str) -> set[str]:
+    """Characters the text writes escaped; a non-ASCII one may be, always (a secret holding one takes the regex)."""
+    chars = {chr(int(code, 16)) for code in set(_ASCII_ESCAPE.findall(text))}
+    chars.update(char for char in '"\\/' if "\\" + char in text)
+    return chars
+
+
+@functools.lru_cache(maxsize=1024)
+def _escaped_form(secret: str) -> re.Pattern[str]:
+    """The secret, each character as itself or as any JSON escape of it."""
+    parts = []
+    for char in secret:
+        options = [re.escape(char), rf"\\u(?i:{ord(char):04x})"] if ord(char) < 0x10000 else [re.escape(char)]
+        if char in '"\\/':
+            options.append(re.escape("\\" + char))
+        parts.append(f"(?:{'|'.join(options)})")
+    return re.compile("".join(parts))
 
 
 def scrub_json(value: Any) -> Any:

@@ -23,7 +23,6 @@ logprobs of finished text parts null, ``top_logprobs`` null.
 
 import json
 import math
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,12 +102,21 @@ def _logprob_entries(response: dict[str, Any]) -> list[Any]:
 
 
 def _spells_the_start(tokens: list[Any], text: str) -> bool:
-    """Do these tokens, in order and without a gap, spell the start of ``text``? A token decoded alone may show a
-    partial UTF-8 character as U+FFFD: that matches at most one non-ASCII character."""
-    if not all(isinstance(token, str) for token in tokens):
-        return False
-    pattern = "".join("[^\\x00-\\x7f]?".join(map(re.escape, token.split("\ufffd"))) for token in tokens)
-    return re.match(pattern, text) is not None
+    """Do these tokens, in order and without a gap, spell the start of ``text``? One linear walk. A token decoded
+    alone shows part of a multi-byte character as U+FFFD: each such mark takes the next character if it is not
+    ASCII (never giving it back, so no search can blow up; a character split oddly across tokens can make the
+    check fail, which records an error, never a shifted logprob)."""
+    offset = 0
+    for token in tokens:
+        if not isinstance(token, str):
+            return False
+        for i, part in enumerate(token.split("\ufffd")):
+            if i and offset < len(text) and not text[offset].isascii():
+                offset += 1  # this U+FFFD's character
+            if not text.startswith(part, offset):
+                return False
+            offset += len(part)
+    return True
 
 
 def align_logprobs(entries: list[Any], ids: int, text: str | None) -> tuple[list[float], str | None, str | None]:

@@ -3,6 +3,7 @@ ways, and the events we emit checked against the official ``anthropic`` SDK's ty
 
 import json
 import math
+from typing import Any
 
 import pydantic
 import pytest
@@ -53,7 +54,7 @@ def test_responses_prepare_asks_for_ids_and_logprobs_and_keeps_the_harness_inclu
 
 
 def whole_response(
-    logprobs: list[float | None], tokens: list[int], function_call: bool = False, texts: list[str] | None = None,
+    logprobs: list[Any], tokens: list[int], function_call: bool = False, texts: list[str] | None = None,
     output_text: str | None = None,
 ) -> dict:  # fmt: skip
     """A Responses answer as vLLM 0.32 writes it: one output message with every id, the text's logprobs in a
@@ -358,3 +359,11 @@ def test_codex_installation_ids_never_reach_a_record():
     for secrets in (secrets_in_body(body), secrets_in_headers({"x-codex-turn-metadata": turn})):
         scrubbed = redacted_text(text, secrets)
         assert installation not in scrubbed and REDACTED in scrubbed and "s-1" in scrubbed
+
+
+def test_a_secret_spelled_with_json_escapes_is_scrubbed_too():
+    """JSON may write any character as \\uXXXX (and / as \\/): decoded, that text is the secret itself."""
+    secret = "sk-pl/anted-0123"
+    text = '{"content": "a \\u0073k-pl\\/anted-0123 b \\u0053K-pl/anted-0123 c sk-pl/anted-0123 \\u001b"}'
+    scrubbed = json.loads(redacted_text(text, [secret]))["content"]
+    assert secret not in scrubbed and scrubbed.count(REDACTED) == 2 and "SK-pl/anted-0123" in scrubbed

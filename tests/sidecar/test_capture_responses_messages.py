@@ -100,6 +100,59 @@ def test_responses_records_the_ids_vllm_sampled(start_sidecar, policy_server, vl
         assert calls, "greedy SmolLM2 calls the tool on this prompt (as on the chat path)"
 
 
+# Greedy SmolLM2 answers this with a sentence, then the tool call: a message item and a function_call item.
+SPEAK_THEN_CALL: dict[str, Any] = {
+    "max_output_tokens": 60, "temperature": 0,
+    "instructions": "Before calling a tool, say one short sentence. " + SYSTEM,
+    "input": [{"role": "user", "content": "What is the weather in Paris?"},
+              {"role": "assistant", "content": "Let me check. " + CALLED_BEFORE},
+              {"role": "user", "content": "sunny. What is the weather in Berlin?"}],
+    "tools": [{"type": "function", "name": "get_weather", "description": "Weather", "parameters": CITY_SCHEMA}],
+}  # fmt: skip
+
+
+def teacher_forced(vllm, policy_server, prompt: list[int], ids: list[int]) -> list[float]:
+    """vLLM's logprob of each id after the prompt and the ids before it (prompt_logprobs over prompt + ids)."""
+    positions = vllm.post("/v1/completions", json={
+        "model": policy_server.name, "prompt": prompt + ids, "max_tokens": 1, "prompt_logprobs": 0, "temperature": 0,
+    }).json()["choices"][0]["prompt_logprobs"][len(prompt):]  # fmt: skip
+    return [position[str(token)]["logprob"] for token, position in zip(ids, positions, strict=True)]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_responses_text_and_tool_call_logprobs_align_with_their_ids_position_by_position(
+    start_sidecar, policy_server, vllm, tokenizer, stream
+):
+    """The answer holds a message item and a function_call item. Every recorded logprob is vLLM's logprob of the
+    id at the same position (teacher-forced), so none is shifted: the whole answer gives one for every id; the
+    stream gives those of the text's ids, and only the function call's (and end of turn's) are NaN."""
+    sidecar = start_sidecar(policy_server.base_url)
+    sdk = openai.OpenAI(base_url=f"{sidecar.url}/v1", api_key="sk-test-not-real", max_retries=0, timeout=120)
+    if stream:
+        reply = list(sdk.responses.create(model="gpt-5-codex", stream=True, **SPEAK_THEN_CALL))[-1].response
+    else:
+        reply = sdk.responses.create(model="gpt-5-codex", **SPEAK_THEN_CALL)
+    kinds = [item.type for item in reply.output]
+    assert kinds == ["message", "function_call"], kinds  # the case under test: text, then a tool call
+    call = one_call(sidecar.store)
+    ids, recorded = call["completion_token_ids"], call["completion_logprobs"]
+    assert call["status"] == "ok" and call["error"] is None and len(recorded) == len(ids)
+    forced = teacher_forced(vllm, policy_server, call["prompt_token_ids"], ids)
+    known = [i for i, value in enumerate(recorded) if not math.isnan(value)]
+    limit = 1e-3 if policy_server.dtype == "float32" else 0.1
+    gaps = {i: abs(recorded[i] - forced[i]) for i in known}
+    assert all(gap < limit for gap in gaps.values()), gaps  # position by position
+    assert call["n_unknown_logprobs"] == len(ids) - len(known)
+    text = reply.output[0].content[0].text
+    if stream:  # the text's ids, from the first, without a gap; the function call's ids have none
+        spoken = len(known)
+        assert known == list(range(spoken)) and 0 < spoken < len(ids)
+        assert tokenizer.decode(ids[:spoken]).startswith(text.rstrip())
+        assert "<tool_call>" in tokenizer.decode(ids[spoken - 1 :]) and "NaN" in call["note"]
+    else:
+        assert known == list(range(len(ids))) and call["note"] is None  # every id, the function call's too
+
+
 # -- Messages -------------------------------------------------------------------------------------------------
 def messages_body(with_tool: bool) -> dict:
     if not with_tool:

@@ -15,7 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.sidecar.conftest import assert_sampled_by_vllm, installed_harness, read_calls, wait_for
+from tests.sidecar.conftest import (
+    assert_harness_succeeded,
+    assert_no_secret_anywhere,
+    assert_sampled_by_vllm,
+    call_table,
+    installed_harness,
+    read_calls,
+    wait_for,
+)
 
 pytestmark = pytest.mark.integration
 CODEX_TIMEOUT_S = 420
@@ -53,12 +61,10 @@ def test_codex_runs_a_task_through_the_sidecar_and_every_call_is_exact(
         [codex, "exec", "--skip-git-repo-check", "-s", "read-only", "What does notes.txt say? Use the shell."],
         cwd=work, env=env, capture_output=True, text=True, timeout=CODEX_TIMEOUT_S, stdin=subprocess.DEVNULL,
     )  # fmt: skip
-    transcript = run.stdout + run.stderr
     calls = wait_for(lambda: read_calls(sidecar.store), what="Codex's call records")
-    assert all(c["harness"] == "codex" and c["api"] == "responses" and c["stream"] for c in calls), transcript
-    ok = [c for c in calls if c["status"] == "ok"]
-    assert ok, f"no complete call recorded:\n{transcript[-3000:]}"
-
+    assert all(c["harness"] == "codex" and c["api"] == "responses" and c["stream"] for c in calls), call_table(calls)
+    assert_harness_succeeded(run, calls)
+    ok = calls
     for call in ok:
         request = json.loads(call["request_json"])
         rendered = vllm.post("/v1/responses", json={
@@ -73,9 +79,10 @@ def test_codex_runs_a_task_through_the_sidecar_and_every_call_is_exact(
             assert tokenizer.decode(ids, skip_special_tokens=True).strip() == received["content"].strip()
         assert_sampled_by_vllm(vllm, policy_server, call)
 
-    # Codex's installation id (in its home and in every request's metadata) is in no record or log.
+    # Codex's installation id (in its home and in every request's metadata) and its API key are in no decoded
+    # record, log line or WAL file.
     installation = (home / "installation_id").read_text().strip()
     assert len(installation) > 8
-    stored = b"".join(p.read_bytes() for p in Path(sidecar.store).rglob("*") if p.is_file())
-    assert installation.encode() not in stored and installation not in sidecar.log()
+    sidecar.stop()
+    assert_no_secret_anywhere(sidecar, [installation, env["OPENAI_API_KEY"]])
     shutil.rmtree(home, ignore_errors=True)

@@ -115,3 +115,19 @@ def test_non_model_traffic_passes_through_unrecorded(start_sidecar, fake_upstrea
         assert modelled.status_code == 200
         (call,) = records(sidecar, 1)
         assert call["host"] == fake_upstream.url.removeprefix("http://")
+
+
+def test_a_stream_ending_with_an_error_event_and_a_null_logprob_are_never_recorded_ok(start_sidecar, fake_upstream):
+    """The harness gets what the upstream sent; the record says the upstream failed, or that a logprob it gave
+    is not one (and where), instead of ``ok``."""
+    sidecar = start_sidecar(fake_upstream.url)
+    with httpx.stream("POST", f"{sidecar.url}{CHAT}", json={**BODY, "stream": True},
+                      headers={"x-fake": "error-event"}, timeout=30) as answer:  # fmt: skip
+        events = [line for line in answer.iter_lines() if line.startswith("data:")]
+    assert "engine died" in events[-2] and events[-1] == "data: [DONE]"
+    whole = httpx.post(f"{sidecar.url}{CHAT}", json=BODY, headers={"x-fake": "null-logprob"}, timeout=30)
+    assert whole.status_code == 200
+    failed, null = records(sidecar, 2)
+    assert failed["status"] == "upstream_error" and "engine died" in failed["error"]
+    assert null["status"] == "error" and "position(s) 2" in null["error"] and null["n_unknown_logprobs"] == 1
+    still_up(sidecar)

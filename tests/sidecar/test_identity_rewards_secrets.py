@@ -7,7 +7,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.sidecar.conftest import FORGE, read_calls, wait_for
+from forge.paths import repo_root
+from sidecar.redact import REDACTED
+from tests.sidecar.conftest import FORGE, assert_no_secret_anywhere, read_calls, wait_for
 
 pytestmark = pytest.mark.integration
 CHAT = "/v1/chat/completions"
@@ -25,8 +27,7 @@ def test_each_proxy_user_is_its_own_episode(start_sidecar, fake_upstream):
     anonymous = httpx.Client(proxy=sidecar.url, timeout=30).post(f"{fake_upstream.url}{CHAT}", json=BODY)
     assert anonymous.status_code == 407  # regular mode without --episode-id: the proxy user names the episode
     sidecar.stop()
-    for path in [*Path(sidecar.store).rglob("*"), *sidecar.wal_dir.rglob("*"), sidecar.log_path]:
-        assert not path.is_file() or PLANTED.encode() not in path.read_bytes(), path  # the proxy password
+    assert_no_secret_anywhere(sidecar, [PLANTED])  # the proxy password
 
 
 def test_episode_from_the_header_outside_a_pod(start_sidecar, fake_upstream):
@@ -79,6 +80,7 @@ def test_a_reward_needs_the_verifiers_token_and_its_source_is_the_servers(start_
     token_file = sidecar.wal_dir / "reward-token"
     token = sidecar.reward_token()
     assert token_file.stat().st_mode & 0o777 == 0o600 and len(token) >= 32
+    assert sidecar.wal_dir.stat().st_mode & 0o777 == 0o700  # and in a folder only the sidecar's uid enters
     assert str(token_file) in sidecar.log() and token not in sidecar.log()  # its path is logged, never its value
     forged = {"episode_id": "episode-1", "reward": 100.0, "source": "verifier"}
     assert sidecar.post_admin("/reward", forged, token=None)[0] == 401
@@ -164,19 +166,55 @@ def _rewards(store: str) -> list[tuple]:
     return [(r["episode_id"], r["reward"], r["source"], r["components"]) for r in json.loads(run.stdout)]
 
 
-def test_a_planted_key_reaches_no_byte_of_any_file(start_sidecar, fake_upstream, tmp_path):
-    sidecar = start_sidecar(fake_upstream.url, env={"FORGE_SECRETS": "configured-secret-value"})
-    headers = {"authorization": f"Bearer {PLANTED}", "x-api-key": PLANTED, "cookie": f"session={PLANTED}"}
-    body = {**BODY, "api_key": PLANTED, "messages": [{"role": "user", "content": "my key is configured-secret-value"}]}
-    for stream in (False, True):
-        assert (
-            httpx.post(f"{sidecar.url}{CHAT}", json={**body, "stream": stream}, headers=headers, timeout=30).status_code
-            == 200
-        )
-    wait_for(lambda: len(read_calls(sidecar.store)) >= 2, what="the records")
-    assert "authorization" not in {k.lower() for k in fake_upstream.requests[-1]["headers"]}
+CONFIGURED = "configured-secret-value"
+INSTALLATION = "0a1b2c3d-4e5f-4a6b-8c7d-9e8f7a6b5c4d"
+
+
+def plant_secrets_in_realistic_calls(sidecar, fake_upstream) -> None:
+    """Calls as a harness makes them, with secrets wherever harnesses put them: the proxy password, API-key
+    headers and cookies, Codex's installation id (body metadata and turn-metadata header), an api_key field, an
+    operator-configured secret in the prompt (once JSON-escaped), in the user agent, streamed and not."""
+    headers = {
+        "authorization": f"Bearer {PLANTED}", "x-api-key": PLANTED, "cookie": f"session={PLANTED}; theme=dark",
+        "x-codex-turn-metadata": json.dumps({"installation_id": INSTALLATION, "turn": 3}),
+        "user-agent": f"codex_exec/0.41.0 (key {PLANTED})",
+    }  # fmt: skip
+    escaped = "".join(f"\\u{ord(c):04x}" for c in CONFIGURED)  # the same secret, as JSON escapes
+    with httpx.Client(proxy=f"http://rollout-a:{PLANTED}@127.0.0.1:{sidecar.port}", timeout=30) as http:
+        for stream in (False, True):
+            body = {**BODY, "stream": stream, "api_key": PLANTED, "client_metadata": {"installation_id": INSTALLATION},
+                    "messages": [{"role": "user", "content": f"my key is {CONFIGURED}, and {PLANTED}"}]}  # fmt: skip
+            assert http.post(f"{fake_upstream.url}{CHAT}", json=body, headers=headers).status_code == 200
+        raw = ('{"model": "m", "messages": [{"role": "user", "content": "spelled: ' + escaped + '"}]}').encode()
+        answer = http.post(f"{fake_upstream.url}{CHAT}", content=raw, headers={"content-type": "application/json"})
+        assert answer.status_code == 200
+    wait_for(lambda: len(read_calls(sidecar.store)) == 3, what="the 3 records")
+    assert {k.lower() for k in fake_upstream.requests[-2]["headers"]}.isdisjoint({"authorization", "x-api-key"})
     sidecar.stop()
-    for path in [*Path(sidecar.store).rglob("*"), *sidecar.wal_dir.rglob("*"), sidecar.log_path]:
-        if path.is_file():
-            data = path.read_bytes()
-            assert PLANTED.encode() not in data and b"configured-secret-value" not in data, path
+
+
+def test_planted_secrets_reach_no_decoded_record_no_log_and_no_wal(start_sidecar, fake_upstream):
+    sidecar = start_sidecar(fake_upstream.url, mode="regular", episode_id=None, env={"FORGE_SECRETS": CONFIGURED})
+    plant_secrets_in_realistic_calls(sidecar, fake_upstream)
+    (request,) = [json.loads(c["request_json"]) for c in read_calls(sidecar.store) if c["stream"]]
+    assert request["api_key"] == REDACTED and REDACTED in request["messages"][0]["content"]  # redacted, not dropped
+    assert_no_secret_anywhere(sidecar, [PLANTED, CONFIGURED, INSTALLATION])
+
+
+def test_the_secret_check_fails_when_redaction_is_disabled(start_sidecar, fake_upstream, tmp_path):
+    """The check above can fail: the same calls through a sidecar whose redaction is switched off (its
+    sidecar.redact functions replaced by identities, via a sitecustomize in the sidecar's PYTHONPATH) leave the
+    secrets in the decoded records, and the check says where."""
+    patch = tmp_path / "no-redaction"
+    patch.mkdir()
+    (patch / "sitecustomize.py").write_text(
+        "import json\nimport sidecar.redact as r\n"
+        "r.scrub_text = lambda text, secrets: text\nr.redacted_text = lambda text, secrets: text\n"
+        "r.redacted_json = lambda value, secrets: json.dumps(value)\nr.secrets_in_headers = lambda headers: []\n"
+    )
+    sidecar = start_sidecar(fake_upstream.url, mode="regular", episode_id=None,
+                            env={"FORGE_SECRETS": CONFIGURED, "PYTHONPATH": f"{patch}:{repo_root()}"})  # fmt: skip
+    plant_secrets_in_realistic_calls(sidecar, fake_upstream)
+    with pytest.raises(AssertionError) as failed:
+        assert_no_secret_anywhere(sidecar, [PLANTED, CONFIGURED, INSTALLATION])
+    assert "request_json" in str(failed.value) and "user_agent" in str(failed.value)
