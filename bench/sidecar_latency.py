@@ -77,9 +77,10 @@ def main(calls: int, gateway_python: Path) -> None:
                               "--upstream", upstream_url, "--store", str(work / "store"),
                               "--wal-dir", str(work / "wal"), "--episode-id", "bench"],
         # The same without asking the server's weight version before and after each call (a fixed version).
-        "sidecar, fixed version": [str(ROOT / ".venv" / "bin" / "forge"), "sidecar", "--mode", f"reverse:{upstream_url}",
-                                   "--upstream", upstream_url, "--store", str(work / "store2"),
-                                   "--wal-dir", str(work / "wal2"), "--episode-id", "bench", "--policy-version", "1"],
+        "sidecar, fixed version": [str(ROOT / ".venv" / "bin" / "forge"), "sidecar", "--mode",
+                                   f"reverse:{upstream_url}", "--upstream", upstream_url,
+                                   "--store", str(work / "store2"), "--wal-dir", str(work / "wal2"),
+                                   "--episode-id", "bench", "--policy-version", "1"],
     }  # fmt: skip
     if gateway_python.exists():
         gateway = str(gateway_python.parent / "rllm-model-gateway")

