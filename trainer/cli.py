@@ -49,7 +49,7 @@ def path_command(dtype: str, cache: Path | None) -> None:
     "--dtype",
     type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
     default=None,
-    help="vLLM's --dtype (default: float32 on CPUs without native bf16, else auto).",
+    help="vLLM's --dtype (default: float32 on a CPU, auto on a GPU).",
 )
 @click.option("--port", type=int, default=8000, show_default=True)
 @click.option("--host", default="127.0.0.1", show_default=True)
