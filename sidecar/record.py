@@ -157,6 +157,8 @@ def to_table(rows: list[dict[str, Any]], table: str) -> pa.Table:
 def _text(value: Any) -> str:
     """Any value as a string a Parquet column takes: strings as they are, anything else as its JSON text."""
     text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
+    if text.isascii():  # the common case, without a copy
+        return text
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:  # lone surrogates (from JSON \ud800 escapes) have no UTF-8 form
