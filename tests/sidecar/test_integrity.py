@@ -77,6 +77,9 @@ def test_every_call_is_recorded_with_the_version_that_served_it_and_a_straddling
 ):
     sidecar = start_sidecar(fake_upstream.url)
     assert chat(sidecar.url).status_code == 200
+    # The version after a call is asked just after it ended (off the event loop): a publish within that instant
+    # would mark the call as straddling (conservative). Publish once its record is complete, as a trainer does.
+    wait_for(lambda: len(stored_calls(sidecar.store)) == 1, what="the first call's record")
     fake_upstream.weight_version = "fake-2"  # a publish: the very next call must say so (no poll window)
     assert chat(sidecar.url).status_code == 200
     straddling: dict = {}
