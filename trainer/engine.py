@@ -77,13 +77,16 @@ def worker_config(settings: EngineSettings) -> tuple[Any, Any]:
         mixed_precision=None if gpu else precision, seed=settings.seed,
     )  # fmt: skip
     optim = FSDPOptimizerConfig(lr=settings.lr, weight_decay=0.0, clip_grad=settings.grad_clip)
-    checkpoint = CheckpointConfig(save_contents=["model", "optimizer", "extra"], load_contents=["model", "optimizer", "extra"])
+    checkpoint = CheckpointConfig(
+        save_contents=["model", "optimizer", "extra"], load_contents=["model", "optimizer", "extra"]
+    )
     worker = TrainingWorkerConfig(
         model_type="language_model", model_config=model, engine_config=engine, optimizer_config=optim,
         checkpoint_config=checkpoint,
     )  # fmt: skip
     actor = FSDPActorConfig(
-        policy_loss=PolicyLossConfig(loss_mode=settings.loss_mode), strategy="fsdp2", ppo_mini_batch_size=1, rollout_n=1, use_dynamic_bsz=True, fsdp_config=engine, optim=optim,
+        policy_loss=PolicyLossConfig(loss_mode=settings.loss_mode), strategy="fsdp2", ppo_mini_batch_size=1,
+        rollout_n=1, use_dynamic_bsz=True, fsdp_config=engine, optim=optim,
         clip_ratio=settings.clip_ratio, clip_ratio_low=settings.clip_ratio, clip_ratio_high=settings.clip_ratio,
         entropy_coeff=settings.entropy_coeff, use_kl_loss=settings.kl_coef > 0, kl_loss_coef=settings.kl_coef,
         ppo_max_token_len_per_gpu=settings.max_token_len,

@@ -39,7 +39,7 @@ from collector.collect import Collector, trainable
 from forge.errors import ForgeError
 from forge.paths import cache_dir
 from sidecar.store import open_store
-from trainer.batch import Batch, episode_advantages, padded, parse_version, rows_from_segments
+from trainer.batch import episode_advantages, padded, parse_version, rows_from_segments
 from trainer.publish import (
     PROBE_IDS,
     TOLERANCE,
@@ -167,31 +167,47 @@ class Trainer:
         if settings.resume and state_file.is_file():
             self.state = TrainState(**json.loads(state_file.read_text()))
         elif state_file.is_file() and not settings.resume:
-            raise ForgeError(f"run {settings.run!r} already has state in {self.state_dir}: pass --resume or another --run")
-        self.engine = self._engine()
-        self.probe_logprobs = self._probe_logprobs()
+            raise ForgeError(
+                f"run {settings.run!r} already has state in {self.state_dir}: pass --resume or another --run"
+            )
         self.adapter_name = f"forge-{settings.run}"
+        self._engine: Any = None
+        self._verify_v0 = False
+        self.probe_logprobs: list[float] = []
         self._claim_server()
 
-    def _engine(self) -> Any:
-        from trainer.engine import EngineSettings, PolicyEngine
+    @property
+    def engine(self) -> Any:
+        """veRL's engine, built when the first batch is ready (bad input fails before the model loads)."""
+        if self._engine is None:
+            from trainer.engine import EngineSettings, PolicyEngine
 
-        engine = PolicyEngine(
-            EngineSettings(model_dir=self.model_dir, lora_rank=self.settings.lora_rank, lr=self.settings.lr,
-                           loss_mode=self.settings.loss_mode)
-        )  # fmt: skip
-        if self.state.engine_checkpoint:
-            engine.load(self.state_dir / self.state.engine_checkpoint)
-        return engine
+            self._engine = PolicyEngine(
+                EngineSettings(model_dir=self.model_dir, lora_rank=self.settings.lora_rank, lr=self.settings.lr,
+                               loss_mode=self.settings.loss_mode)
+            )  # fmt: skip
+            if self.state.engine_checkpoint:
+                self._engine.load(self.state_dir / self.state.engine_checkpoint)
+            self.probe_logprobs = self._probe_logprobs()
+            if self._verify_v0:
+                self.verify(0, str(self.model_dir))
+        return self._engine
 
     def _claim_server(self) -> None:
         """The server serves this run's committed version: set it at the start, re-published on a resume."""
         served = self.client.weight_version()
         if self.state.step == 0 and self.state.version == 0:
-            if served not in (None, "None", "0"):
+            if served not in (None, "None", "default", "0"):
                 self.echo(f"forge train: the policy server reported version {served}; it is now version 0 of run "
                           f"{self.settings.run}")  # fmt: skip
+            # v0 is the base checkpoint: loaded whatever the server served before, verified with the first batch.
+            if self.settings.lora_rank:
+                self.client.unload_adapter(self.adapter_name)
+            else:
+                self.client.load_full(self.model_dir)
+            self.client.reset_prefix_cache()
             self.client.set_version(0)
+            self._verify_v0 = True
         elif served != str(self.state.version):
             self.echo(f"forge train: resuming at v{self.state.version}; the server had {served}: re-publishing")
             self.publish(self.state.version)
@@ -315,9 +331,10 @@ class Trainer:
 
     def verify(self, version: int, path: str) -> PublishResult:
         """The server's probe logprobs equal the trainer's under the new weights (and not the old ones)."""
-        model = self.adapter_name if self.settings.lora_rank else self.served_model
+        model = self.adapter_name if self.settings.lora_rank and version > 0 else self.served_model
         served = self.client.prompt_logprobs(model, PROBE_IDS)
         old, new = self.probe_logprobs, self._probe_logprobs()
+        old = old or new
         diff, diff_old = mean_abs_diff(served, new), mean_abs_diff(served, old)
         tolerance = TOLERANCE.get(self.settings.serving_dtype, TOLERANCE["auto"])
         if self.client.weight_version() != str(version):

@@ -35,9 +35,11 @@ from sidecar.store import Store
 
 # The probe: fixed ids, no tokenizer at run time (SmolLM2's chat template of a short question and answer; for another
 # model only the ids' range matters: every id < 49152).
-PROBE_IDS = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407, 19712, 8182,
-             2, 198, 1, 4093, 198, 5820, 253, 9552, 1230, 284, 1643, 1701, 357, 314, 9552, 30, 2, 198, 1, 520, 9531, 198,
-             40357, 42, 805, 582, 284, 4962, 10335, 357, 30, 2, 198]  # fmt: skip
+PROBE_IDS = [
+    1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407, 19712, 8182, 2, 198,
+    1, 4093, 198, 5820, 253, 9552, 1230, 284, 1643, 1701, 357, 314, 9552, 30, 2, 198, 1, 520, 9531, 198, 40357, 42,
+    805, 582, 284, 4962, 10335, 357, 30, 2, 198,
+]  # fmt: skip
 # Mean |server − trainer| over the probe a landed publish stays under (fp32 serving measured ~1e-5; bf16 ~5e-2).
 TOLERANCE = {"float32": 2e-3, "bfloat16": 1.5e-1, "float16": 5e-2, "auto": 1.5e-1}
 
@@ -74,7 +76,14 @@ def write_checkpoint(
     staging = final.with_name(f".{final.name}.{uuid.uuid4().hex[:8]}.tmp")
     try:
         staging.mkdir(parents=True)
-        tensors = {name: t.detach().to("cpu").contiguous() for name, t in weights}
+        tensors: dict[str, torch.Tensor] = {}
+        shared: set[int] = set()
+        for name, tensor in weights:
+            tensor = tensor.detach().to("cpu").contiguous()
+            if tensor.data_ptr() in shared:  # tied weights (SmolLM2's lm_head is its embedding): stored once
+                continue
+            shared.add(tensor.data_ptr())
+            tensors[name] = tensor
         if peft_config is not None:
             save_file(tensors, staging / "adapter_model.safetensors", metadata={"format": "pt"})
             config = peft_config.to_dict() if hasattr(peft_config, "to_dict") else dict(peft_config)
@@ -118,9 +127,13 @@ class PolicyClient:
         try:
             answer = self.http.post(path, json=payload)
         except httpx.HTTPError as error:
-            raise PublishError(f"the policy server at {self.base_url} is unreachable ({what or path}): {error}") from error
+            raise PublishError(
+                f"the policy server at {self.base_url} is unreachable ({what or path}): {error}"
+            ) from error
         if answer.status_code >= 400:
-            raise PublishError(f"the policy server refused {what or path}: HTTP {answer.status_code} {answer.text[:200]}")
+            raise PublishError(
+                f"the policy server refused {what or path}: HTTP {answer.status_code} {answer.text[:200]}"
+            )
         return answer.json() if answer.content else None
 
     def check(self) -> str:
@@ -144,11 +157,16 @@ class PolicyClient:
         self._post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(directory)}},
                    what="reload_weights")  # fmt: skip
 
-    def load_adapter(self, name: str, directory: Path) -> None:
+    def unload_adapter(self, name: str) -> None:
         try:
             self.http.post("/v1/unload_lora_adapter", json={"lora_name": name})  # absent the first time: ignored
         except httpx.HTTPError as error:
-            raise PublishError(f"the policy server at {self.base_url} is unreachable (unload adapter): {error}") from error
+            raise PublishError(
+                f"the policy server at {self.base_url} is unreachable (unload adapter): {error}"
+            ) from error
+
+    def load_adapter(self, name: str, directory: Path) -> None:
+        self.unload_adapter(name)
         self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(directory)}, what="load adapter")
 
     def reset_prefix_cache(self, attempts: int = 20) -> None:

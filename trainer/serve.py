@@ -30,6 +30,7 @@ from trainer.model import MARKER, MODEL_NAME, prepared_model
 # table on CPU and every later answer has -inf logprobs (measured: one 9k-token Claude Code prompt broke the server).
 NATIVE_CONTEXT = 8192
 
+
 def default_dtype() -> str:
     """vLLM's ``--dtype``: ``auto`` on GPUs, ``float32`` on every CPU.
 

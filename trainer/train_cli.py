@@ -18,15 +18,21 @@ from forge.errors import ForgeError
 @click.option("--staleness", type=int, default=0, show_default=True, help="async: train on episodes ≤ K versions old.")
 @click.option("--lora-rank", type=int, default=0, show_default=True, help="0: full weights.")
 @click.option("--algo", default="grpo", show_default=True, help="veRL advantage estimator (grpo, rloo, ...).")
-@click.option("--loss", "loss_mode", default="vanilla", show_default=True, help="veRL policy loss (vanilla = PPO-clip).")
+@click.option(
+    "--loss", "loss_mode", default="vanilla", show_default=True, help="veRL policy loss (vanilla = PPO-clip)."
+)
 @click.option("--lr", type=float, default=1e-5, show_default=True)
-@click.option("--correction", type=click.Choice(["bypass", "decoupled"]), default="bypass", show_default=True,
-              help="bypass: PPO's ratio against the behaviour logprobs; decoupled: veRL's rollout IS weights.")  # fmt: skip
+@click.option(
+    "--correction", type=click.Choice(["bypass", "decoupled"]), default="bypass", show_default=True,
+    help="bypass: PPO's ratio against the behaviour logprobs; decoupled: veRL's rollout IS weights.",
+)  # fmt: skip
 @click.option("--rollout-is", type=click.Choice(["token", "sequence"]), default="token", show_default=True)
 @click.option("--wait-timeout", type=float, default=600.0, show_default=True, help="Seconds to wait for episodes.")
 @click.option("--resume", is_flag=True, help="Continue the run from its last committed step.")
 @click.option("--workers", type=int, default=1, show_default=True, help="FSDP ranks (only 1 is built yet).")
-@click.option("--model", "model_dir", type=click.Path(path_type=Path), help="Base HF checkpoint (default: prepared fp32).")
+@click.option(
+    "--model", "model_dir", type=click.Path(path_type=Path), help="Base HF checkpoint (default: prepared fp32)."
+)
 @click.option("--s3-endpoint", help="S3-compatible endpoint for an s3:// store.")
 @click.pass_context
 def train_group(ctx: click.Context, store: str | None, policy_url: str | None, workers: int, **options) -> None:
@@ -65,8 +71,10 @@ def plot_command(metrics: Path, out: Path | None) -> None:
         raise ForgeError(f"{metrics} is not a metrics JSON-lines file: {error}") from error
     if not rows:
         raise ForgeError(f"{metrics} holds no steps yet")
-    panels = [("reward_mean", "reward mean"), ("kl_behaviour", "KL to behaviour"), ("entropy", "entropy"),
-              ("clip_frac", "clip fraction"), ("tokens_per_s", "trained tokens/s"), ("publish_s", "publish s")]  # fmt: skip
+    panels = [
+        ("reward_mean", "reward mean"), ("kl_behaviour", "KL to behaviour"), ("entropy", "entropy"),
+        ("clip_frac", "clip fraction"), ("tokens_per_s", "trained tokens/s"), ("publish_s", "publish s"),
+    ]  # fmt: skip
     figure, axes = plt.subplots(2, 3, figsize=(12, 6))
     steps = [r.get("step", i + 1) for i, r in enumerate(rows)]
     for ax, (key, title) in zip(axes.flat, panels, strict=True):
