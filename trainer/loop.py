@@ -25,6 +25,7 @@ import shutil
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,7 +40,7 @@ from collector.collect import Collector, trainable
 from forge.errors import ForgeError
 from forge.paths import cache_dir
 from sidecar.store import open_store
-from trainer.batch import episode_advantages, padded, parse_version, rows_from_segments
+from trainer.batch import Batch, episode_advantages, padded, parse_version, rows_from_segments
 from trainer.publish import (
     PROBE_IDS,
     TOLERANCE,
@@ -227,34 +228,10 @@ class Trainer:
         batch = rows_from_segments(segments)
         if not batch.rows:
             raise ForgeError(f"the episodes of v{version} hold nothing trainable ({batch.skipped})")
-        advantage = episode_advantages(batch.rows, s.algo)
-        tensors = padded(batch.rows)
-        mask = tensors["response_mask"].bool()
-        tensors["advantages"] = torch.tensor([advantage[r.episode_id] for r in batch.rows])[:, None] * mask
-        rollout = tensors.pop("rollout_log_probs")
-        unknown = torch.isnan(rollout) & mask
-        metrics: dict[str, Any] = {}
-        recomputed = torch.zeros_like(rollout)
-        if s.correction == "decoupled" or unknown.any():
-            recomputed, entropy = self.engine.log_probs(tensors)
-            metrics["entropy"] = _masked_mean(entropy, mask)
-        if s.correction == "decoupled":
-            from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
-
-            tensors["old_log_probs"] = recomputed
-            known = mask & ~unknown
-            weights, _, corr = compute_rollout_correction_and_rejection_mask(
-                old_log_prob=recomputed, rollout_log_prob=torch.where(unknown, recomputed, rollout),
-                response_mask=known.float(), rollout_is=s.rollout_is or "token",
-                rollout_is_threshold=s.rollout_is_threshold,
-            )  # fmt: skip
-            w = weights.batch["rollout_is_weights"] if weights is not None else torch.ones_like(recomputed)
-            tensors["rollout_is_weights"] = torch.where(mask, w, torch.zeros_like(w))
-            metrics.update(_is_stats(tensors["rollout_is_weights"], mask))
-            metrics.update({k: _scalar(v) for k, v in corr.items() if "rollout_corr/" in k and _is_number(v)})
-        else:
-            old = torch.where(unknown, recomputed, rollout) if unknown.any() else rollout
-            tensors["old_log_probs"] = torch.where(mask, old, torch.zeros_like(old))
+        tensors, metrics, advantage = update_inputs(
+            batch, s.algo, s.correction, s.rollout_is, s.rollout_is_threshold, lambda t: self.engine.log_probs(t)
+        )
+        mask, unknown = tensors["response_mask"].bool(), metrics.pop("_unknown")
         tokens = int(mask.sum())
         started = time.perf_counter()
         update = self.engine.update(tensors)
@@ -370,6 +347,45 @@ class Trainer:
         os.replace(staging, self.state_dir / "state.json")
         if previous and previous != name:
             shutil.rmtree(self.state_dir / previous, ignore_errors=True)
+
+
+def update_inputs(
+    batch: Batch, algo: str, correction: str, rollout_is: str | None, threshold: float,
+    log_probs: Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, float]]:  # fmt: skip
+    """The tensors ``ppo_loss`` reads: advantages (veRL's estimator), old logprobs and, decoupled, IS weights.
+
+    ``log_probs`` (the engine's current logprobs) is called only when needed: for unknown behaviour logprobs and
+    for the decoupled correction. Bypass on data without unknowns never recomputes: sync and async (any k) then
+    feed veRL exactly the same tensors for the same episodes.
+    """
+    advantage = episode_advantages(batch.rows, algo)
+    tensors = padded(batch.rows)
+    mask = tensors["response_mask"].bool()
+    tensors["advantages"] = torch.tensor([advantage[r.episode_id] for r in batch.rows])[:, None] * mask
+    rollout = tensors.pop("rollout_log_probs")
+    unknown = torch.isnan(rollout) & mask
+    metrics: dict[str, Any] = {"_unknown": unknown}
+    recomputed = torch.zeros_like(rollout)
+    if correction == "decoupled" or unknown.any():
+        recomputed, entropy = log_probs(tensors)
+        metrics["entropy"] = _masked_mean(entropy, mask)
+    behaviour = torch.where(unknown, recomputed, torch.nan_to_num(rollout)) * mask
+    if correction == "decoupled":
+        from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
+
+        tensors["old_log_probs"] = recomputed * mask
+        weights, _, corr = compute_rollout_correction_and_rejection_mask(
+            old_log_prob=recomputed, rollout_log_prob=behaviour, response_mask=mask.float(),
+            rollout_is=rollout_is or "token", rollout_is_threshold=threshold,
+        )  # fmt: skip
+        w = weights.batch["rollout_is_weights"] if weights is not None else torch.ones_like(recomputed)
+        tensors["rollout_is_weights"] = w * mask
+        metrics.update(_is_stats(tensors["rollout_is_weights"], mask))
+        metrics.update({f"is/{k.split('/')[-1]}": _scalar(v) for k, v in corr.items() if _is_number(v)})
+    else:
+        tensors["old_log_probs"] = behaviour
+    return tensors, metrics, advantage
 
 
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
