@@ -60,6 +60,14 @@ class _CPUDevice(ModuleType):
         return memory.available, memory.total
 
     @staticmethod
+    def get_rng_state(*args: Any, **kwargs: Any) -> torch.Tensor:
+        return torch.get_rng_state()  # the "device" RNG is the CPU's: veRL's checkpoints restore it
+
+    @staticmethod
+    def set_rng_state(state: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        torch.set_rng_state(state)
+
+    @staticmethod
     def get_device_name(*args: Any, **kwargs: Any) -> str:
         return "CPU"  # veRL's FLOPs table has no CPU entry: MFU reads 0
 

@@ -137,6 +137,17 @@ def test_trainer_logprobs_of_recorded_tokens_agree_with_the_behaviour_logprobs(t
     print(f"fp32 serving: mean |trainer − behaviour| = {diff.mean():.2e}, max {diff.max():.2e} over {int(known.sum())}")
     assert diff.mean() <= FP32_AGREEMENT
     assert int((tensors["response_mask"].bool() & torch.isnan(behaviour)).sum()) == 1
+    # Fresh data: veRL's rollout-correction IS weights (decoupled, token level) are 1.
+    weights = is_weights(trainer, batch)
+    print(f"IS weights on fresh data: {weights.min():.6f} .. {weights.max():.6f}")
+    assert (weights - 1).abs().max() < 1e-3
+
+
+def is_weights(trainer, batch) -> torch.Tensor:
+    from trainer.loop import update_inputs
+
+    tensors, _, _ = update_inputs(batch, "grpo", "decoupled", "token", 2.0, trainer.engine.log_probs)
+    return tensors["rollout_is_weights"][tensors["response_mask"].bool()]
 
 
 def server_logprobs(http: httpx.Client, model: str, s: Sample) -> float:
@@ -180,6 +191,12 @@ def test_a_second_sync_round_trains_only_episodes_of_the_new_version(trainer, se
     assert set(trainer.state.trained[-4:]) == set(new_ids) and len(set(trainer.state.trained)) == 8
     state = json.loads((trainer.state_dir / "state.json").read_text())
     assert state["step"] == 2 and state["version"] == 2
+    # The first round's behaviour policy (v0) now differs from the trainer's (v2): its IS weights move off 1.
+    first = rows_from_segments(trainable(Collector(str(store), progress=False).update().segments))
+    first.rows = [r for r in first.rows if r.policy_version == 0]
+    weights = is_weights(trainer, first)
+    print(f"IS weights on v0 data under v2: {weights.min():.4f} .. {weights.max():.4f}")
+    assert (weights - 1).abs().max() > 1e-2
 
 
 # ---- publishes that do not land -----------------------------------------------------------------------------------
@@ -245,3 +262,40 @@ def test_a_server_that_is_down_fails_the_publish_loudly():
         client.load_full(Path("/nonexistent"))
     with pytest.raises(ForgeError, match="no policy server answers"):
         client.check()
+
+
+# ---- a batch job: killed mid-run, resumed ---------------------------------------------------------------------------
+def test_resume_after_kill_9_continues_from_the_committed_step_without_retraining(server, http, prompt, tmp_path):
+    import time
+
+    store = tmp_path / "store"
+    http.post("/update_weight_version", json={"new_version": "0"}).raise_for_status()
+    for task in ("a", "b"):  # two groups of v0 episodes: async with k = 2 trains one per step
+        record(str(store), [sample(http, server.name, prompt, 8, seed=40 + i) for i in range(2)], [1.0, 0.0], task)
+    args = ["train", "--store", str(store), "--policy-url", server.base_url, "--run", "k", "--mode", "async",
+            "--staleness", "2", "--steps", "2", "--episodes-per-step", "2", "--wait-timeout", "60"]  # fmt: skip
+    state_file = store / "checkpoints" / "k" / "trainer" / "state.json"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "forge", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 600
+        while not (state_file.is_file() and json.loads(state_file.read_text())["step"] == 1):
+            assert process.poll() is None, process.communicate()[1][-2000:]
+            assert time.monotonic() < deadline, "step 1 was never committed"
+            time.sleep(0.2)
+        process.kill()  # kill -9, mid-way through step 2
+    finally:
+        process.kill()
+        process.communicate()
+    first = json.loads(state_file.read_text())
+    assert first["step"] == 1 and first["version"] == 1 and len(first["trained"]) == 2
+    resumed = forge(*args, "--resume", timeout=900)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    final = json.loads(state_file.read_text())
+    assert final["step"] == 2 and final["version"] == 2
+    assert final["trained"][:2] == first["trained"] and len(set(final["trained"])) == 4
+    steps = [json.loads(line) for line in (state_file.parent / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in steps] == [1, 2] and steps[1]["staleness"] == {"1": 2}
+    assert http.get("/weight_info").json()["weight_version"] == "2"
