@@ -86,10 +86,8 @@ def write_checkpoint(
             tensors[name] = tensor
         if peft_config is not None:
             save_file(tensors, staging / "adapter_model.safetensors", metadata={"format": "pt"})
-            config = peft_config.to_dict() if hasattr(peft_config, "to_dict") else dict(peft_config)
-            config = {k: (sorted(v) if isinstance(v, set) else v) for k, v in config.items()}
-            config["base_model_name_or_path"] = str(base_model)
-            (staging / "adapter_config.json").write_text(json.dumps(config, indent=1, default=str))
+            peft_config.base_model_name_or_path = str(base_model)
+            peft_config.save_pretrained(str(staging))  # adapter_config.json as peft writes it
         else:
             save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
             for name in os.listdir(base_model):  # config, generation config, tokenizer: the HF folder's rest
