@@ -60,6 +60,10 @@ class _CPUDevice(ModuleType):
         return memory.available, memory.total
 
     @staticmethod
+    def empty_cache(*args: Any, **kwargs: Any) -> None:
+        pass  # no device cache on a CPU
+
+    @staticmethod
     def get_rng_state(*args: Any, **kwargs: Any) -> torch.Tensor:
         return torch.get_rng_state()  # the "device" RNG is the CPU's: veRL's checkpoints restore it
 

@@ -174,6 +174,7 @@ class Trainer:
         self.adapter_name = f"forge-{settings.run}"
         self._engine: Any = None
         self._verify_v0 = False
+        self.last_verify_split: dict[str, float] = {}
         self.probe_logprobs: list[float] = []
         self._claim_server()
 
@@ -309,9 +310,12 @@ class Trainer:
     def verify(self, version: int, path: str) -> PublishResult:
         """The server's probe logprobs equal the trainer's under the new weights (and not the old ones)."""
         model = self.adapter_name if self.settings.lora_rank and version > 0 else self.served_model
+        started = time.perf_counter()
         served = self.client.prompt_logprobs(model, PROBE_IDS)
+        server_s = time.perf_counter() - started
         old, new = self.probe_logprobs, self._probe_logprobs()
         old = old or new
+        self.last_verify_split = {"server_probe": server_s, "trainer_probe": time.perf_counter() - started - server_s}
         diff, diff_old = mean_abs_diff(served, new), mean_abs_diff(served, old)
         tolerance = TOLERANCE.get(self.settings.serving_dtype, TOLERANCE["auto"])
         if self.client.weight_version() != str(version):
