@@ -33,6 +33,7 @@ class EngineSettings:
     kl_coef: float = 0.0  # > 0: KL to the initial weights (the LoRA base, or a reference copy) in the loss
     max_token_len: int = 16384  # per micro-batch (veRL's dynamic batch size)
     grad_clip: float = 1.0
+    freeze_tied_embedding: bool = True  # see PolicyEngine._freeze_tied_embedding
     seed: int = 1
 
 
@@ -118,6 +119,19 @@ class PolicyEngine:
         self.worker = TrainingWorker(worker_cfg)
         self.worker.reset()
         self.worker.set_loss_fn(partial(ppo_loss, config=self.actor_config))
+        self.frozen_tied_embedding = settings.freeze_tied_embedding and self._freeze_tied_embedding()
+
+    def _freeze_tied_embedding(self) -> bool:
+        """Keep a tied input/output embedding fixed: vLLM's (0.32, CPU) ``reload_weights`` updates every weight but
+        a tied ``lm_head``, which keeps the values it started with (measured: after a reload the server equals the new
+        body with the old lm_head to 8e-6, and the new weights only to 1.8e-3 after four steps). A publish could then
+        never land exactly; with the embedding fixed it does. Untied models and LoRA train everything as usual."""
+        module: Any = self.worker.engine.module
+        config = getattr(module, "config", None)
+        if not getattr(config, "tie_word_embeddings", False) or self.settings.lora_rank:
+            return False
+        module.get_input_embeddings().weight.requires_grad_(False)
+        return True
 
     def log_probs(self, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """The current weights' logprobs and entropies of each response token, padded like ``responses``."""

@@ -68,9 +68,15 @@ def trainer(server, store):
                                  wait_timeout=60, poll_seconds=0.5, lr=1e-5))  # fmt: skip
 
 
+def child_env() -> dict[str, str]:
+    """This process's environment without its torch.distributed rendezvous (a child makes its own)."""
+    rendezvous = {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"}
+    return {**{k: v for k, v in os.environ.items() if k not in rendezvous}, "HF_HUB_OFFLINE": "1"}
+
+
 def forge(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "forge", *args], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
+                          env=child_env())  # fmt: skip
 
 
 def one_line_error(result: subprocess.CompletedProcess, *needles: str) -> None:
@@ -172,7 +178,7 @@ def test_a_step_raises_the_rewarded_kind_and_the_published_server_moves_the_same
     assert moved[0] > 0 and moved[2] > 0 and moved[1] < 0 and moved[3] < 0
     assert metrics["version"] == 1 and metrics["step"] == 1
     assert http.get("/weight_info").json()["weight_version"] == "1"
-    assert metrics["probe_diff"] <= 2e-3 < metrics["probe_diff_old"]  # the server computes with the new weights
+    assert metrics["probe_diff"] <= 2e-4 < metrics["probe_diff_old"]  # the server computes with the new weights
     assert metrics["tokens_unknown_logprob"] == 1
     numbers = [v for v in metrics.values() if isinstance(v, float)]
     assert numbers and all(math.isfinite(v) for v in numbers)
@@ -277,7 +283,7 @@ def test_resume_after_kill_9_continues_from_the_committed_step_without_retrainin
     state_file = store / "checkpoints" / "k" / "trainer" / "state.json"
     process = subprocess.Popen(
         [sys.executable, "-m", "forge", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        env=child_env(),
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 600
