@@ -126,7 +126,8 @@ class PolicyEngine:
         a tied ``lm_head``, which keeps the values it started with (measured: after a reload the server equals the new
         body with the old lm_head to 8e-6, and the new weights only to 1.8e-3 after four steps). A publish could then
         never land exactly; with the embedding fixed it does. Untied models and LoRA train everything as usual."""
-        module: Any = self.worker.engine.module
+        engine: Any = self.worker.engine
+        module = engine.module
         config = getattr(module, "config", None)
         if not getattr(config, "tie_word_embeddings", False) or self.settings.lora_rank:
             return False
