@@ -226,7 +226,7 @@ def test_a_server_that_keeps_its_old_weights_fails_the_publish_loudly(trainer, f
 
 def test_after_a_publish_no_call_is_served_from_old_weight_prefix_cache(trainer, server, http, first_round):
     s = first_round[0]
-    context = s.prompt + s.completion  # long enough to fill several KV blocks
+    context = (s.prompt + s.completion) * 8  # ~450 tokens: several full KV blocks (vLLM caches full blocks only)
 
     def served_then_teacher_forced() -> float:
         answer = http.post(
