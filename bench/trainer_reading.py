@@ -4,7 +4,7 @@ Writes a synthetic store of agent episodes as the sidecar stores them (bench/col
 once with the collector (its own benchmark covers that), then times what the trainer does per batch: read the
 collector's segments, turn them into rows, pad them into veRL's layout.
 
-    .venv/bin/python bench/trainer_reading.py --segments 10000 --batch 256
+    .venv/bin/python -m bench.trainer_reading --segments 10000 --batch 256
 """
 
 import argparse
