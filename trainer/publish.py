@@ -127,7 +127,7 @@ def _json_value(value: Any) -> Any:
 class PolicyClient:
     """The weight endpoints of one vLLM server (``forge serve`` starts it with them enabled)."""
 
-    def __init__(self, base_url: str, timeout: float = 120.0) -> None:
+    def __init__(self, base_url: str, timeout: float = 300.0) -> None:  # reloads stalled >120 s on a loaded box
         self.base_url = base_url.rstrip("/").removesuffix("/v1")
         self.http = httpx.Client(base_url=self.base_url, timeout=timeout)
 
