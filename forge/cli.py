@@ -14,6 +14,7 @@ PARTS: list[tuple[str, str]] = [
     ("Policy server and model (trainer/)", "trainer.cli"),
     ("Capture (sidecar/)", "sidecar.cli"),
     ("Episodes and SQL (collector/)", "collector.cli"),
+    ("Training (trainer/)", "trainer.train_cli"),
     ("Kubernetes (k8s/)", "k8s.cli"),
 ]
 

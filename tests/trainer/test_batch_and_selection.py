@@ -1,0 +1,125 @@
+"""Rows, advantages and episode selection on the collector's real output (synthetic stores, no model)."""
+
+import math
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+import torch
+
+from bench.collector_generate import SyntheticEpisode, write_calls, write_rewards
+from collector.collect import Collector, trainable
+from forge.errors import ForgeError
+from trainer.batch import episode_advantages, padded, rows_from_segments
+from trainer.loop import select_groups, update_inputs
+
+
+def store_of(path: Path, episodes: list[tuple[str, str, str, float]], nan_last: bool = False) -> Path:
+    """(episode id, task id, policy version, reward): two calls each, the second extending the first."""
+    rows = []
+    for n, (episode_id, task, version, _) in enumerate(episodes):
+        episode = SyntheticEpisode(episode_id, task_id=task, run_id="r", policy_version=version)
+        prompt = list(range(100 + n, 110 + n))
+        first = list(range(2000 + 10 * n, 2004 + 10 * n))
+        episode.call(prompt, first)
+        second = list(range(3000 + 10 * n, 3003 + 10 * n))
+        logprobs = [-0.5, -0.25, math.nan if nan_last else -0.125]
+        episode.call(prompt + first + [7, 8], second, logprobs=logprobs)
+        rows += episode.rows
+    write_calls(str(path), rows, name="calls-0", run="r")
+    write_rewards(str(path), [{"episode_id": e, "reward": r} for e, _, _, r in episodes], run="r")
+    return path
+
+
+def collected(path: Path) -> pa.Table:
+    return Collector(str(path), progress=False).update()
+
+
+def test_a_segment_becomes_one_row_token_exact(tmp_path):
+    store = store_of(tmp_path, [("a", "t", "0", 1.0), ("b", "t", "0", 0.0)])
+    segments = trainable(collected(store).segments)
+    batch = rows_from_segments(segments)
+    assert len(batch) == 2
+    for row, seg in zip(batch.rows, segments.to_pylist(), strict=True):
+        assert row.prompt + row.response == seg["input_ids"]  # the recorded ids, never re-tokenized
+        first = seg["loss_mask"].index(1)
+        assert len(row.prompt) == first and row.response_mask == seg["loss_mask"][first:]
+        # The second call's new context [7, 8] sits inside the response, masked out.
+        assert row.response_mask == [1, 1, 1, 1, 0, 0, 1, 1, 1]
+        assert row.rollout_log_probs[-3:] == [-0.5, -0.25, -0.125]
+    tensors = padded(batch.rows)
+    assert tensors["response_mask"].sum() == 14 and tensors["input_ids"].shape[1] == 10 + 9
+
+
+def test_advantages_come_from_verl_by_name_per_episode_and_group(tmp_path):
+    store = store_of(tmp_path, [("a", "t", "0", 1.0), ("b", "t", "0", 0.0), ("c", "u", "0", 5.0)])
+    rows = rows_from_segments(trainable(collected(store).segments)).rows
+    grpo = episode_advantages(rows, "grpo")
+    assert grpo["a"] == pytest.approx(-grpo["b"]) and grpo["a"] > 0
+    assert grpo["c"] == pytest.approx(5.0)  # veRL's GRPO: a group of one keeps its raw score (mean 0, std 1)
+    rloo = episode_advantages(rows, "rloo")
+    assert rloo["a"] == pytest.approx(1.0) and rloo["b"] == pytest.approx(-1.0)
+    with pytest.raises(ForgeError, match="unknown --algo"):
+        episode_advantages(rows, "no-such-estimator")
+
+
+def test_unknown_behaviour_logprobs_take_the_trainers_own_and_never_reach_the_loss_as_nan(tmp_path):
+    store = store_of(tmp_path, [("a", "t", "0", 1.0), ("b", "t", "0", 0.0)], nan_last=True)
+    batch = rows_from_segments(trainable(collected(store).segments))
+    assert sum(r.n_unknown for r in batch.rows) == 2
+    asked = []
+
+    def trainer_logprobs(tensors):
+        asked.append(1)
+        return torch.full(tensors["responses"].shape, -3.0), torch.zeros(tensors["responses"].shape)
+
+    for correction in ("bypass", "decoupled"):
+        tensors, metrics, _ = update_inputs(batch, "grpo", correction, "token", 2.0, trainer_logprobs)
+        mask = tensors["response_mask"].bool()
+        assert all(torch.isfinite(t).all() for t in tensors.values() if t.is_floating_point())
+        assert int(metrics["_unknown"].sum()) == 2
+        assert (tensors["old_log_probs"][metrics["_unknown"]] == -3.0).all()
+        assert tensors["response_mask"].sum() == 14  # still trained: a tool call or an end of turn matters
+        if correction == "decoupled":
+            weights = tensors["rollout_is_weights"][mask]
+            assert weights.max() <= 2.0 and (weights[metrics["_unknown"][mask]] == 1.0).all()
+    assert len(asked) == 2
+
+
+def test_bypass_without_unknowns_never_recomputes_so_async_k0_feeds_veRL_what_sync_does(tmp_path):
+    store = store_of(tmp_path, [("a", "t", "0", 1.0), ("b", "t", "0", 0.0)])
+    episodes = collected(store).episodes
+    sync, _, _ = select_groups(episodes, 0, "sync", 0, set(), 2)
+    async0, _, _ = select_groups(episodes, 0, "async", 0, set(), 2)
+    assert sync == async0 == ["a", "b"]
+    batch = rows_from_segments(trainable(collected(store).segments))
+
+    def never(tensors):
+        raise AssertionError("bypass on known logprobs must not recompute")
+
+    first, _, _ = update_inputs(batch, "grpo", "bypass", None, 2.0, never)
+    second, _, _ = update_inputs(batch, "grpo", "bypass", None, 2.0, never)
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+
+
+def test_near_on_policy_selection_ages_out_groups_whole_and_never_repeats_an_episode(tmp_path):
+    store = store_of(tmp_path, [
+        ("old-1", "t", "1", 1.0), ("old-2", "t", "1", 0.0),  # group r/t/v1
+        ("mid-1", "t", "3", 1.0), ("mid-2", "t", "3", 0.0),  # group r/t/v3
+        ("new-1", "u", "4", 1.0), ("new-2", "u", "4", 0.0),  # group r/u/v4
+    ])  # fmt: skip
+    episodes = collected(store).episodes
+    chosen, aged, waiting = select_groups(episodes, 4, "async", 2, set(), 10)
+    assert sorted(chosen) == ["mid-1", "mid-2", "new-1", "new-2"]
+    assert sorted(aged) == ["old-1", "old-2"] and waiting["aged_out"] == 2
+    chosen, _, _ = select_groups(episodes, 4, "sync", 0, set(), 10)
+    assert sorted(chosen) == ["new-1", "new-2"]
+    chosen, _, _ = select_groups(episodes, 4, "async", 2, {"mid-1", "mid-2"}, 10)
+    assert sorted(chosen) == ["new-1", "new-2"]
+    # A group is never split: one episode of v3 served partly by v1 takes its whole group out.
+    mixed = episodes.to_pylist()
+    for row in mixed:
+        if row["episode_id"] == "mid-2":
+            row["policy_version_min"] = "1"
+    chosen, aged, _ = select_groups(pa.Table.from_pylist(mixed, schema=episodes.schema), 4, "async", 2, set(), 10)
+    assert sorted(chosen) == ["new-1", "new-2"] and sorted(aged) == ["mid-1", "mid-2", "old-1", "old-2"]

@@ -1,0 +1,158 @@
+"""The collector's segments as veRL's training rows: one row per segment, token-exact.
+
+A segment (``collector.episode.SEGMENT_SCHEMA``) is a token sequence with a loss mask and the behaviour logprobs
+of its sampled tokens. Its row: prompt = the tokens before its first trainable token, response = the rest,
+``response_mask`` = the loss mask over the response, ``rollout_log_probs`` = the recorded behaviour logprobs.
+Nothing is re-tokenized: the ids are the ids vLLM sampled or was prompted with.
+
+Unknown behaviour logprobs (NaN: vLLM gives none for a Responses function call's output or a stream's
+end-of-turn token; the sidecar counts them as ``n_unknown_logprobs``) stay trainable — a tool call or the end of a
+turn is exactly what an agent must learn — and take the trainer's own logprob of the same weights before the
+update (veRL's "bypass" choice, token by token): their importance ratio starts at 1, so they are trained on-policy,
+never with a NaN, and they are counted in every step's metrics (``tokens_unknown_logprob``).
+
+Advantages are computed per episode (one reward, one score) by veRL's estimator registry, the collector's
+``group_id`` as the group index, then broadcast to every segment of the episode.
+"""
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from collector.episode import SEGMENT_SCHEMA
+from forge.errors import ForgeError
+
+# The segment columns a row needs; the schema module defines them, this only names the ones read.
+ROW_COLUMNS = ("episode_id", "group_id", "segment", "input_ids", "loss_mask", "behaviour_logprobs", "reward",
+               "policy_version_min", "policy_version_max")  # fmt: skip
+assert all(SEGMENT_SCHEMA.get_field_index(c) >= 0 for c in ROW_COLUMNS)
+
+
+@dataclass
+class Row:
+    """One segment as a prompt/response pair."""
+
+    episode_id: str
+    group_id: str
+    segment: int
+    prompt: list[int]
+    response: list[int]
+    response_mask: list[int]
+    rollout_log_probs: list[float]  # behaviour logprobs over the response: 0 off the mask, NaN where unknown
+    reward: float
+    policy_version: int | None  # the oldest version that served a call of the segment
+
+    @property
+    def n_unknown(self) -> int:
+        return sum(1 for m, lp in zip(self.response_mask, self.rollout_log_probs, strict=True) if m and math.isnan(lp))
+
+
+@dataclass
+class Batch:
+    """Rows ready for veRL, with what was left out and why."""
+
+    rows: list[Row]
+    skipped: dict[str, int] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def episode_ids(self) -> list[str]:
+        return sorted({r.episode_id for r in self.rows})
+
+    @property
+    def n_trainable(self) -> int:
+        return sum(sum(r.response_mask) for r in self.rows)
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(len(r.prompt) + len(r.response) for r in self.rows)
+
+
+def parse_version(version: str | None) -> int | None:
+    """Policy versions are recorded as strings ("3", "v3"); the trainer publishes integers."""
+    if version is None:
+        return None
+    text = version[1:] if version[:1] in ("v", "V") else version
+    return int(text) if text.isdigit() else None
+
+
+def rows_from_segments(segments: pa.Table) -> Batch:
+    """Segments (any subset of the collector's rows) → rows; segments with nothing trainable are skipped, counted."""
+    missing = [c for c in ROW_COLUMNS if c not in segments.column_names]
+    if missing:
+        raise ForgeError(f"the segments lack the columns {missing}: they do not come from this collector version")
+    batch = Batch(rows=[])
+    for seg in segments.select(list(ROW_COLUMNS)).to_pylist():
+        if not seg["episode_id"]:
+            batch.skipped["no_episode_id"] = batch.skipped.get("no_episode_id", 0) + 1
+            continue
+        if seg["reward"] is None or not math.isfinite(seg["reward"]):
+            batch.skipped["no_reward"] = batch.skipped.get("no_reward", 0) + 1
+            continue
+        mask = seg["loss_mask"]
+        first = next((i for i, m in enumerate(mask) if m), None)
+        if first is None:
+            batch.skipped["nothing_trainable"] = batch.skipped.get("nothing_trainable", 0) + 1
+            continue
+        if first == 0:  # veRL needs a prompt of at least one token (a response is scored from the token before)
+            batch.skipped["no_prompt"] = batch.skipped.get("no_prompt", 0) + 1
+            continue
+        ids, logprobs = seg["input_ids"], seg["behaviour_logprobs"]
+        batch.rows.append(
+            Row(
+                episode_id=seg["episode_id"], group_id=seg["group_id"], segment=seg["segment"],
+                prompt=list(ids[:first]), response=list(ids[first:]), response_mask=[int(m) for m in mask[first:]],
+                rollout_log_probs=[float("nan") if lp is None else float(lp) for lp in logprobs[first:]],
+                reward=float(seg["reward"]), policy_version=parse_version(seg["policy_version_min"]),
+            )
+        )  # fmt: skip
+    return batch
+
+
+def episode_advantages(rows: list[Row], estimator: str, norm_by_std: bool = True) -> dict[str, float]:
+    """One advantage per episode from veRL's registered estimator (GRPO, RLOO, ...), grouped by ``group_id``."""
+    from verl.trainer.ppo.core_algos import get_adv_estimator_fn
+
+    episodes: dict[str, tuple[str, float]] = {}
+    for row in rows:
+        episodes.setdefault(row.episode_id, (row.group_id, row.reward))
+    ids = sorted(episodes)
+    scores = torch.tensor([[episodes[e][1]] for e in ids], dtype=torch.float32)
+    index = np.array([episodes[e][0] for e in ids], dtype=object)
+    try:
+        fn = get_adv_estimator_fn(estimator)
+    except ValueError as error:
+        raise ForgeError(f"unknown --algo {estimator!r}: {error}") from error
+    kwargs = {"norm_adv_by_std_in_grpo": norm_by_std} if estimator == "grpo" else {}
+    advantages, _ = fn(token_level_rewards=scores, response_mask=torch.ones_like(scores), index=index, **kwargs)
+    return {e: float(a) for e, a in zip(ids, advantages[:, 0].tolist(), strict=True)}
+
+
+def padded(rows: list[Row]) -> dict[str, torch.Tensor]:
+    """veRL's left/right padded layout: prompts left-padded, responses right-padded, one attention mask."""
+    n = len(rows)
+    p_len = max(len(r.prompt) for r in rows)
+    r_len = max(len(r.response) for r in rows)
+    prompts = torch.zeros(n, p_len, dtype=torch.long)
+    responses = torch.zeros(n, r_len, dtype=torch.long)
+    attention = torch.zeros(n, p_len + r_len, dtype=torch.long)
+    response_mask = torch.zeros(n, r_len, dtype=torch.long)
+    rollout = torch.zeros(n, r_len, dtype=torch.float32)
+    for i, row in enumerate(rows):
+        lp, lr = len(row.prompt), len(row.response)
+        prompts[i, p_len - lp :] = torch.tensor(row.prompt)
+        responses[i, :lr] = torch.tensor(row.response)
+        attention[i, p_len - lp : p_len + lr] = 1
+        response_mask[i, :lr] = torch.tensor(row.response_mask)
+        rollout[i, :lr] = torch.tensor(row.rollout_log_probs, dtype=torch.float32)
+    position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
+    return {
+        "prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], dim=1),
+        "attention_mask": attention, "position_ids": position_ids, "response_mask": response_mask,
+        "rollout_log_probs": rollout,
+    }  # fmt: skip

@@ -1,0 +1,174 @@
+"""veRL's engine, driven from our loop: a ``TrainingWorker`` (FSDP2) with veRL's ``ppo_loss``.
+
+Everything that learns is veRL's: the FSDP2 engine computes logprobs and gradients, ``ppo_loss`` the policy loss
+chosen by name from ``core_algos``' registry (vanilla PPO-clip, gspo, cispo, ...), the optimizer and its state are
+the engine's. This module only builds the configs, lays rows out the way veRL's own trainer does
+(``left_right_2_no_padding``) and reads the weights back out for publishing.
+"""
+
+import os
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer import cpu_platform
+
+cpu_platform.enable()
+
+
+@dataclass
+class EngineSettings:
+    model_dir: Path
+    lora_rank: int = 0
+    lora_alpha: int = 16
+    lr: float = 1e-5
+    loss_mode: str = "vanilla"  # a name in verl.trainer.ppo.core_algos' policy-loss registry
+    clip_ratio: float = 0.2
+    entropy_coeff: float = 0.0
+    kl_coef: float = 0.0  # > 0: KL to the initial weights (the LoRA base, or a reference copy) in the loss
+    max_token_len: int = 16384  # per micro-batch (veRL's dynamic batch size)
+    grad_clip: float = 1.0
+    freeze_tied_embedding: bool = True  # see PolicyEngine._freeze_tied_embedding
+    seed: int = 1
+
+
+def init_distributed() -> None:
+    """One gloo process group (rank 0 of 1) unless a launcher (Ray, torchrun) made one already."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    rank, world = int(os.environ.setdefault("RANK", "0")), int(os.environ.setdefault("WORLD_SIZE", "1"))
+    os.environ.setdefault("LOCAL_RANK", "0")
+    dist.init_process_group("gloo" if not cpu_platform.on_gpu() else "cpu:gloo,cuda:nccl", rank=rank, world_size=world)
+
+
+def worker_config(settings: EngineSettings) -> tuple[Any, Any]:
+    """veRL's TrainingWorkerConfig and ActorConfig (the loss's config) for the policy."""
+    from verl.trainer.config import CheckpointConfig
+    from verl.workers.config import (
+        FSDPActorConfig,
+        FSDPEngineConfig,
+        FSDPOptimizerConfig,
+        HFModelConfig,
+        PolicyLossConfig,
+        TrainingWorkerConfig,
+    )
+
+    gpu = cpu_platform.on_gpu()
+    model = HFModelConfig(
+        path=str(settings.model_dir), use_remove_padding=False, enable_gradient_checkpointing=False,
+        lora_rank=settings.lora_rank, lora_alpha=settings.lora_alpha, target_modules="all-linear",
+        override_config={"attn_implementation": "sdpa"},
+    )  # fmt: skip
+    precision = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
+    engine = FSDPEngineConfig(
+        strategy="fsdp2", model_dtype="fp32", use_torch_compile=False, use_dynamic_bsz=True,
+        max_token_len_per_gpu=settings.max_token_len, infer_max_token_len_per_gpu=settings.max_token_len,
+        mixed_precision=None if gpu else precision, seed=settings.seed,
+    )  # fmt: skip
+    optim = FSDPOptimizerConfig(lr=settings.lr, weight_decay=0.0, clip_grad=settings.grad_clip)
+    checkpoint = CheckpointConfig(
+        save_contents=["model", "optimizer", "extra"], load_contents=["model", "optimizer", "extra"]
+    )
+    worker = TrainingWorkerConfig(
+        model_type="language_model", model_config=model, engine_config=engine, optimizer_config=optim,
+        checkpoint_config=checkpoint,
+    )  # fmt: skip
+    actor = FSDPActorConfig(
+        policy_loss=PolicyLossConfig(loss_mode=settings.loss_mode), strategy="fsdp2", ppo_mini_batch_size=1,
+        rollout_n=1, use_dynamic_bsz=True, fsdp_config=engine, optim=optim,
+        clip_ratio=settings.clip_ratio, clip_ratio_low=settings.clip_ratio, clip_ratio_high=settings.clip_ratio,
+        entropy_coeff=settings.entropy_coeff, use_kl_loss=settings.kl_coef > 0, kl_loss_coef=settings.kl_coef,
+        ppo_max_token_len_per_gpu=settings.max_token_len,
+    )  # fmt: skip
+    return worker, actor
+
+
+def to_engine_input(tensors: dict[str, torch.Tensor], **meta: Any) -> Any:
+    """Padded tensors → veRL's no-padding TensorDict (nested input ids), with per-call settings as non-tensors."""
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    data = tu.get_tensordict(dict(tensors))
+    data = left_right_2_no_padding(data)
+    tu.assign_non_tensor(data, temperature=1.0, **meta)
+    return data
+
+
+class PolicyEngine:
+    """One FSDP2 TrainingWorker in this process (rank 0 of 1)."""
+
+    def __init__(self, settings: EngineSettings) -> None:
+        from verl.workers.engine_workers import TrainingWorker
+        from verl.workers.utils.losses import ppo_loss
+
+        init_distributed()
+        self.settings = settings
+        worker_cfg, self.actor_config = worker_config(settings)
+        self.worker = TrainingWorker(worker_cfg)
+        self.worker.reset()
+        self.worker.set_loss_fn(partial(ppo_loss, config=self.actor_config))
+        self.frozen_tied_embedding = settings.freeze_tied_embedding and self._freeze_tied_embedding()
+
+    def _freeze_tied_embedding(self) -> bool:
+        """Keep a tied input/output embedding fixed: vLLM's (0.32, CPU) ``reload_weights`` updates every weight but
+        a tied ``lm_head``, which keeps the values it started with (measured: after a reload the server equals the new
+        body with the old lm_head to 8e-6, and the new weights only to 1.8e-3 after four steps). A publish could then
+        never land exactly; with the embedding fixed it does. Untied models and LoRA train everything as usual."""
+        engine: Any = self.worker.engine
+        module = engine.module
+        config = getattr(module, "config", None)
+        if not getattr(config, "tie_word_embeddings", False) or self.settings.lora_rank:
+            return False
+        module.get_input_embeddings().weight.requires_grad_(False)
+        return True
+
+    def log_probs(self, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The current weights' logprobs and entropies of each response token, padded like ``responses``."""
+        from verl.utils import tensordict_utils as tu
+        from verl.workers.utils.padding import no_padding_2_padding
+
+        data = to_engine_input(tensors, compute_loss=False, calculate_entropy=True)
+        output = self.worker.infer_batch(data)
+        log_probs = no_padding_2_padding(tu.get(output, "log_probs"), data).float()
+        entropy = no_padding_2_padding(tu.get(output, "entropy"), data).float()
+        return log_probs, entropy
+
+    def update(self, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """One optimizer step over the whole batch (one mini-batch, one epoch): veRL's train_mini_batch."""
+        from verl.utils import tensordict_utils as tu
+
+        n = tensors["responses"].shape[0]
+        data = to_engine_input(
+            tensors, compute_loss=True, calculate_entropy=True, global_batch_size=n, mini_batch_size=n, epochs=1,
+            seed=self.settings.seed, dataloader_kwargs={"shuffle": False},
+        )  # fmt: skip
+        output = self.worker.train_mini_batch(data)
+        return dict(tu.get(output, "metrics"))
+
+    def weights(self) -> tuple[Iterator[tuple[str, torch.Tensor]], Any]:
+        """The full weights (names as in the HF checkpoint), or the LoRA adapter's and its peft config."""
+        engine: Any = self.worker.engine
+        if self.settings.lora_rank:
+            params, peft_config = engine.get_per_tensor_param(base_sync_done=True)
+            return iter(params), peft_config
+        params, _ = engine.get_per_tensor_param()
+        return params, None
+
+    def save(self, directory: Path, step: int) -> None:
+        """Model shards, optimizer state and RNG (veRL's checkpoint manager), for --resume."""
+        self.worker.save_checkpoint(str(directory), global_step=step)
+
+    def load(self, directory: Path) -> None:
+        self.worker.load_checkpoint(str(directory), del_local_after_load=False)

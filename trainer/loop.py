@@ -1,0 +1,427 @@
+"""`forge train`'s loop: wait for episodes, compute advantages, update with veRL, publish and verify, commit.
+
+One round, top to bottom (``Trainer.step``):
+  1. episodes — complete episodes from the collector, whole GRPO groups, never one trained before:
+     sync: every episode of the group served by exactly the current version v;
+     async (near-on-policy): served by versions ≥ v − k; a group with an older episode is skipped whole (counted).
+  2. rows + advantages — one row per segment (``trainer.batch``); veRL's estimator by name over episodes.
+  3. old logprobs — the recorded behaviour logprobs (bypass: PPO's ratio is the importance correction), or, with
+     ``--correction decoupled``, the trainer's recomputed ones plus veRL's rollout-correction IS weights
+     (``rollout_corr_helper``) against the behaviour logprobs. Unknown (NaN) behaviour logprobs take the
+     trainer's recomputed value either way.
+  4. update — ``PolicyEngine.update`` (veRL's TrainingWorker + ppo_loss).
+  5. publish v+1 — checkpoint, load, cache reset, version, probe verification (``trainer.publish``).
+  6. commit — the engine's checkpoint (weights, optimizer) and ``state.json`` (step, version, trained episode ids),
+     written after the publish landed; a crash before the commit replays the step from the last commit, so the
+     committed state never holds an episode twice.
+"""
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import torch
+from tqdm import tqdm
+
+from collector.collect import Collector, trainable
+from forge.errors import ForgeError
+from forge.paths import cache_dir
+from sidecar.store import open_store
+from trainer.batch import Batch, episode_advantages, padded, parse_version, rows_from_segments
+from trainer.publish import (
+    PROBE_IDS,
+    TOLERANCE,
+    PolicyClient,
+    PublishError,
+    PublishResult,
+    mean_abs_diff,
+    write_checkpoint,
+)
+
+CORRECTIONS = ("bypass", "decoupled")
+
+
+@dataclass
+class TrainSettings:
+    store: str
+    policy_url: str
+    run: str = "default"
+    mode: str = "sync"
+    steps: int = 1
+    episodes_per_step: int = 8
+    staleness: int = 0
+    lora_rank: int = 0
+    algo: str = "grpo"
+    loss_mode: str = "vanilla"
+    lr: float = 1e-5
+    correction: str = "bypass"
+    rollout_is: str | None = None  # "token" | "sequence" with --correction decoupled
+    rollout_is_threshold: float = 2.0
+    wait_timeout: float = 600.0
+    poll_seconds: float = 2.0
+    resume: bool = False
+    workers: int = 1
+    model_dir: Path | None = None
+    serving_dtype: str = "float32"
+    s3_endpoint: str | None = None
+    state_dir: Path | None = None
+    idle_seconds: float = 600.0
+
+
+@dataclass
+class TrainState:
+    """What a resumed run continues from (``state.json``)."""
+
+    step: int = 0
+    version: int = 0
+    trained: list[str] = field(default_factory=list)  # episode ids, in the order they were trained
+    skipped: list[str] = field(default_factory=list)  # episodes of groups that aged out
+    engine_checkpoint: str | None = None
+
+
+def default_state_dir(settings: TrainSettings) -> Path:
+    parsed = urlparse(settings.store)
+    if parsed.scheme in ("", "file"):
+        root = Path(os.path.abspath(parsed.path if parsed.scheme == "file" else settings.store))
+        return root / "checkpoints" / settings.run / "trainer"
+    key = hashlib.sha256(f"{settings.store.rstrip('/')}|{settings.run}".encode()).hexdigest()[:16]
+    return cache_dir() / "trainer" / key
+
+
+def select_groups(
+    episodes: pa.Table, version: int, mode: str, staleness: int, exclude: set[str], wanted: int
+) -> tuple[list[str], list[str], Counter]:
+    """Episode ids to train on (whole groups, oldest first) and those of groups that aged out; why others wait."""
+    waiting: Counter = Counter()
+    groups: dict[str, list[dict]] = {}
+    for ep in episodes.to_pylist():
+        if ep["episode_id"] in exclude:
+            continue
+        groups.setdefault(ep["group_id"], []).append(ep)
+    chosen: list[str] = []
+    aged: list[str] = []
+    oldest = version - (staleness if mode == "async" else 0)
+    for _, members in sorted(groups.items(), key=lambda g: min(str(e["started_at"]) for e in g[1])):
+        lows = [parse_version(e["policy_version_min"]) or 0 for e in members]
+        highs = [parse_version(e["policy_version_max"]) or 0 for e in members]
+        if min(lows) < oldest:  # an episode older than allowed: the group goes whole, never split
+            if all(e["status"] != "unfinished" for e in members):
+                aged += [e["episode_id"] for e in members]
+            waiting["aged_out"] += len(members)
+            continue
+        if any(e["status"] == "unfinished" for e in members):
+            waiting["group_unfinished"] += len(members)
+            continue
+        if max(highs) > version:  # served by a version this trainer has not published: another run's
+            waiting["newer_version"] += len(members)
+            continue
+        complete = [e["episode_id"] for e in members if e["status"] == "complete"]
+        waiting["not_complete"] += len(members) - len(complete)
+        if complete and len(chosen) < wanted:
+            chosen += complete
+    return chosen, aged, waiting
+
+
+class Trainer:
+    def __init__(self, settings: TrainSettings, echo=print) -> None:
+        from trainer.serve import default_checkpoint
+
+        self.settings = settings
+        self.echo = echo
+        if settings.mode not in ("sync", "async"):
+            raise ForgeError(f"--mode must be sync or async, not {settings.mode!r}")
+        if settings.correction not in CORRECTIONS:
+            raise ForgeError(f"--correction must be one of {', '.join(CORRECTIONS)}")
+        if settings.steps < 1 or settings.episodes_per_step < 1 or settings.staleness < 0:
+            raise ForgeError("--steps and --episodes-per-step must be ≥ 1, --staleness ≥ 0")
+        self.collector = Collector(settings.store, settings.s3_endpoint, idle_seconds=settings.idle_seconds,
+                                   progress=False)  # fmt: skip
+        self.store = open_store(settings.store, settings.s3_endpoint)
+        self.state_dir = settings.state_dir or default_state_dir(settings)
+        try:
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+            probe = self.state_dir / ".write-test"
+            probe.write_text("")
+            probe.unlink()
+        except OSError as error:
+            raise ForgeError(f"cannot write the trainer's state to {self.state_dir}: {error.strerror}") from error
+        self.model_dir = Path(settings.model_dir or default_checkpoint("float32"))
+        if not (self.model_dir / "config.json").is_file():
+            raise ForgeError(f"no HF checkpoint at {self.model_dir}: run `forge model prepare` or pass --model")
+        self.client = PolicyClient(settings.policy_url)
+        self.served_model = self.client.check()
+        self.state = TrainState()
+        state_file = self.state_dir / "state.json"
+        if settings.resume and state_file.is_file():
+            self.state = TrainState(**json.loads(state_file.read_text()))
+        elif state_file.is_file() and not settings.resume:
+            raise ForgeError(
+                f"run {settings.run!r} already has state in {self.state_dir}: pass --resume or another --run"
+            )
+        self.adapter_name = f"forge-{settings.run}"
+        self._engine: Any = None
+        self._verify_v0 = False
+        self.last_verify_split: dict[str, float] = {}
+        self.probe_logprobs: list[float] = []
+        self._claim_server()
+
+    @property
+    def engine(self) -> Any:
+        """veRL's engine, built when the first batch is ready (bad input fails before the model loads)."""
+        if self._engine is None:
+            from trainer.engine import EngineSettings, PolicyEngine
+
+            self._engine = PolicyEngine(
+                EngineSettings(model_dir=self.model_dir, lora_rank=self.settings.lora_rank, lr=self.settings.lr,
+                               loss_mode=self.settings.loss_mode)
+            )  # fmt: skip
+            if self.state.engine_checkpoint:
+                self._engine.load(self.state_dir / self.state.engine_checkpoint)
+            self.probe_logprobs = self._probe_logprobs()
+            if self._verify_v0:
+                self.verify(0, str(self.model_dir))
+        return self._engine
+
+    def _claim_server(self) -> None:
+        """The server serves this run's committed version: set it at the start, re-published on a resume."""
+        served = self.client.weight_version()
+        if self.state.step == 0 and self.state.version == 0:
+            if served not in (None, "None", "default", "0"):
+                self.echo(f"forge train: the policy server reported version {served}; it is now version 0 of run "
+                          f"{self.settings.run}")  # fmt: skip
+            # v0 is the base checkpoint: loaded whatever the server served before, verified with the first batch.
+            if self.settings.lora_rank:
+                self.client.unload_adapter(self.adapter_name)
+            else:
+                self.client.load_full(self.model_dir)
+            self.client.reset_prefix_cache()
+            self.client.set_version(0)
+            self._verify_v0 = True
+        elif served != str(self.state.version):
+            self.echo(f"forge train: resuming at v{self.state.version}; the server had {served}: re-publishing")
+            self.publish(self.state.version)
+
+    # ---- one round -------------------------------------------------------------------------------------------
+    def run(self) -> None:
+        while self.state.step < self.settings.steps:
+            metrics = self.step()
+            line = json.dumps(metrics, default=_json_default)
+            with (self.state_dir / "metrics.jsonl").open("a") as out:
+                out.write(line + "\n")
+            print(line, flush=True)
+
+    def step(self) -> dict[str, Any]:
+        s, version = self.settings, self.state.version
+        segments, episode_ids, aged, ages = self.wait_for_episodes()
+        batch = rows_from_segments(segments)
+        if not batch.rows:
+            raise ForgeError(f"the episodes of v{version} hold nothing trainable ({batch.skipped})")
+        tensors, metrics, advantage = update_inputs(
+            batch, s.algo, s.correction, s.rollout_is, s.rollout_is_threshold, lambda t: self.engine.log_probs(t)
+        )
+        mask, unknown = tensors["response_mask"].bool(), metrics.pop("_unknown")
+        tokens = int(mask.sum())
+        started = time.perf_counter()
+        update = self.engine.update(tensors)
+        update_s = time.perf_counter() - started
+        published = self.publish(version + 1)
+        self.commit(episode_ids, aged, version + 1)
+        rewards = torch.tensor([r for r in {r.episode_id: r.reward for r in batch.rows}.values()])
+        advantages = torch.tensor(list(advantage.values()))
+        metrics.update({
+            "step": self.state.step, "version": self.state.version, "episodes": len(episode_ids),
+            "segments": len(batch), "groups_aged_out_episodes": len(aged), "skipped_segments": batch.skipped,
+            "reward_mean": rewards.mean().item(), "reward_std": rewards.std().item() if len(rewards) > 1 else 0.0,
+            "advantage_mean": advantages.mean().item(), "advantage_abs_mean": advantages.abs().mean().item(),
+            "kl_behaviour": _first(update, "actor/ppo_kl"), "clip_frac": _first(update, "actor/pg_clipfrac"),
+            "pg_loss": _first(update, "actor/pg_loss"), "grad_norm": _first(update, "grad_norm"),
+            "entropy": metrics.get("entropy", _first(update, "actor/entropy_loss")),
+            "staleness": dict(sorted(Counter(ages).items())), "tokens_trained": tokens,
+            "tokens_unknown_logprob": int(unknown.sum()), "update_s": update_s,
+            "tokens_per_s": tokens / update_s if update_s else 0.0,
+            "publish_s": sum(published.seconds.values()), **{f"publish_{k}_s": v for k, v in published.seconds.items()},
+            "probe_diff": published.probe_diff, "probe_diff_old": published.probe_diff_old,
+        })  # fmt: skip
+        return metrics
+
+    def wait_for_episodes(self) -> tuple[pa.Table, list[str], list[str], list[int]]:
+        """Poll the collector until enough whole groups are ready (bounded by --wait-timeout, with a bar)."""
+        s, version = self.settings, self.state.version
+        exclude = set(self.state.trained) | set(self.state.skipped)
+        deadline = time.monotonic() + s.wait_timeout
+        bar = tqdm(total=s.episodes_per_step, desc=f"episodes of v{version}", unit="ep", leave=False,
+                   disable=None, file=sys.stderr)  # fmt: skip
+        try:
+            while True:
+                collection = self.collector.update()
+                chosen, aged, waiting = select_groups(collection.episodes, version, s.mode, s.staleness, exclude,
+                                                      s.episodes_per_step)  # fmt: skip
+                bar.n = min(len(chosen), s.episodes_per_step)
+                bar.refresh()
+                if len(chosen) >= s.episodes_per_step:
+                    break
+                if time.monotonic() >= deadline:
+                    why = ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in waiting.items()) or "no episodes"
+                    raise ForgeError(f"only {len(chosen)} of {s.episodes_per_step} complete episodes for v{version} "
+                                     f"after {s.wait_timeout:.0f} s in {s.store} ({why})")  # fmt: skip
+                time.sleep(s.poll_seconds)
+        finally:
+            bar.close()
+        segments = trainable(collection.segments)
+        segments = segments.filter(pc.is_in(segments["episode_id"], pa.array(chosen, pa.string())))
+        ep = collection.episodes.filter(pc.is_in(collection.episodes["episode_id"], pa.array(chosen, pa.string())))
+        ages = [version - (parse_version(v) or 0) for v in ep["policy_version_min"].to_pylist()]
+        return segments, chosen, aged, ages
+
+    # ---- publish and commit ----------------------------------------------------------------------------------
+    def publish(self, version: int) -> PublishResult:
+        s, seconds = self.settings, {}
+        started = time.perf_counter()
+        weights, peft_config = self.engine.weights()
+        path = write_checkpoint(self.store, s.run, version, weights, self.model_dir, peft_config, self.state_dir)
+        seconds["write"] = time.perf_counter() - started
+        started = time.perf_counter()
+        if s.lora_rank:
+            self.client.load_adapter(self.adapter_name, path)
+        else:
+            self.client.load_full(path)
+        self.client.reset_prefix_cache()
+        self.client.set_version(version)
+        seconds["load"] = time.perf_counter() - started
+        started = time.perf_counter()
+        result = self.verify(version, str(path))
+        seconds["verify"] = time.perf_counter() - started
+        result.seconds = seconds
+        return result
+
+    def verify(self, version: int, path: str) -> PublishResult:
+        """The server's probe logprobs equal the trainer's under the new weights (and not the old ones)."""
+        model = self.adapter_name if self.settings.lora_rank and version > 0 else self.served_model
+        started = time.perf_counter()
+        served = self.client.prompt_logprobs(model, PROBE_IDS)
+        server_s = time.perf_counter() - started
+        old, new = self.probe_logprobs, self._probe_logprobs()
+        old = old or new
+        self.last_verify_split = {"server_probe": server_s, "trainer_probe": time.perf_counter() - started - server_s}
+        diff, diff_old = mean_abs_diff(served, new), mean_abs_diff(served, old)
+        tolerance = TOLERANCE.get(self.settings.serving_dtype, TOLERANCE["auto"])
+        if self.client.weight_version() != str(version):
+            raise PublishError(f"the policy server reports version {self.client.weight_version()}, not {version}")
+        moved = mean_abs_diff(new, old)
+        if not diff <= tolerance or (moved > tolerance and not diff < diff_old):
+            raise PublishError(
+                f"publish of v{version} did not land: the server's probe logprobs differ from the new weights' by "
+                f"{diff:.2e} (tolerance {tolerance:.0e}) and from the old weights' by {diff_old:.2e}"
+            )
+        self.probe_logprobs = new
+        return PublishResult(version, path, probe_diff=diff, probe_diff_old=diff_old)
+
+    def _probe_logprobs(self) -> list[float]:
+        from trainer.batch import Row
+
+        row = Row("probe", "probe", 0, PROBE_IDS[:1], PROBE_IDS[1:], [1] * (len(PROBE_IDS) - 1),
+                  [0.0] * (len(PROBE_IDS) - 1), 0.0, None)  # fmt: skip
+        log_probs, _ = self.engine.log_probs(padded([row]))
+        return [float(x) for x in log_probs[0].tolist()]
+
+    def commit(self, episode_ids: list[str], aged: list[str], version: int) -> None:
+        step = self.state.step + 1
+        name = f"engine-step-{step}"
+        target = self.state_dir / name
+        shutil.rmtree(target, ignore_errors=True)
+        self.engine.save(target, step)
+        previous = self.state.engine_checkpoint
+        self.state = TrainState(step=step, version=version, trained=self.state.trained + episode_ids,
+                                skipped=self.state.skipped + aged, engine_checkpoint=name)  # fmt: skip
+        staging = self.state_dir / ".state.json.tmp"
+        staging.write_text(json.dumps(asdict(self.state)))
+        os.replace(staging, self.state_dir / "state.json")
+        if previous and previous != name:
+            shutil.rmtree(self.state_dir / previous, ignore_errors=True)
+
+
+def update_inputs(
+    batch: Batch, algo: str, correction: str, rollout_is: str | None, threshold: float,
+    log_probs: Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, float]]:  # fmt: skip
+    """The tensors ``ppo_loss`` reads: advantages (veRL's estimator), old logprobs and, decoupled, IS weights.
+
+    ``log_probs`` (the engine's current logprobs) is called only when needed: for unknown behaviour logprobs and
+    for the decoupled correction. Bypass on data without unknowns never recomputes: sync and async (any k) then
+    feed veRL exactly the same tensors for the same episodes.
+    """
+    advantage = episode_advantages(batch.rows, algo)
+    tensors = padded(batch.rows)
+    mask = tensors["response_mask"].bool()
+    tensors["advantages"] = torch.tensor([advantage[r.episode_id] for r in batch.rows])[:, None] * mask
+    rollout = tensors.pop("rollout_log_probs")
+    unknown = torch.isnan(rollout) & mask
+    metrics: dict[str, Any] = {"_unknown": unknown}
+    recomputed = torch.zeros_like(rollout)
+    if correction == "decoupled" or unknown.any():
+        recomputed, entropy = log_probs(tensors)
+        metrics["entropy"] = _masked_mean(entropy, mask)
+    behaviour = torch.where(unknown, recomputed, torch.nan_to_num(rollout)) * mask
+    if correction == "decoupled":
+        from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
+
+        tensors["old_log_probs"] = recomputed * mask
+        weights, _, corr = compute_rollout_correction_and_rejection_mask(
+            old_log_prob=recomputed, rollout_log_prob=behaviour, response_mask=mask.float(),
+            rollout_is=rollout_is or "token", rollout_is_threshold=threshold,
+        )  # fmt: skip
+        w = weights.batch["rollout_is_weights"] if weights is not None else torch.ones_like(recomputed)
+        tensors["rollout_is_weights"] = w * mask
+        metrics.update(_is_stats(tensors["rollout_is_weights"], mask))
+        metrics.update({f"is/{k.split('/')[-1]}": _scalar(v) for k, v in corr.items() if _is_number(v)})
+    else:
+        tensors["old_log_probs"] = behaviour
+    return tensors, metrics, advantage
+
+
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
+    return float((values * mask).sum() / mask.sum().clamp(min=1))
+
+
+def _is_stats(weights: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    picked = weights[mask]
+    return {"is_weight_mean": float(picked.mean()), "is_weight_min": float(picked.min()),
+            "is_weight_max": float(picked.max())}  # fmt: skip
+
+
+def _first(metrics: dict[str, Any], key: str) -> float:
+    value = metrics.get(key)
+    if isinstance(value, list):
+        value = sum(float(_scalar(v)) for v in value) / len(value) if value else None
+    return float(_scalar(value)) if value is not None else math.nan
+
+
+def _scalar(value: Any) -> Any:
+    if hasattr(value, "value"):  # veRL's Metric
+        value = value.value
+    if isinstance(value, torch.Tensor):
+        value = value.item()
+    with contextlib.suppress(TypeError, ValueError):
+        return float(value)
+    return value
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(_scalar(value), float) and math.isfinite(_scalar(value))
+
+
+def _json_default(value: Any) -> Any:
+    return _scalar(value)

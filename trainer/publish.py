@@ -1,0 +1,205 @@
+"""Publishing a policy version: checkpoint to the store, load into vLLM, set its version, verify that it landed.
+
+1. Checkpoint: ``<store>/checkpoints/<run>/v<n>/`` holds either full weights (``model.safetensors`` + the base
+   model's config and tokenizer: an HF folder vLLM and transformers load) or a LoRA adapter
+   (``adapter_model.safetensors`` + ``adapter_config.json``). It is written under a hidden name and renamed, so a
+   reader never sees half a checkpoint; on S3 every file is uploaded first and ``_PUBLISHED.json`` last.
+2. Load: full weights through ``POST /collective_rpc reload_weights``; an adapter is unloaded, then loaded
+   (never ``load_inplace``, which has been seen to keep serving the adapter it read first).
+3. Prefix cache: ``POST /reset_prefix_cache`` after the load, so no later call is served from KV computed with
+   the old weights (the sidecar does not need to salt requests; vLLM answers ``success: false`` while requests
+   hold blocks: it is retried, and a reset that never succeeds fails the publish).
+4. ``POST /update_weight_version``: the sidecar reads it from ``/weight_info`` and records it per call.
+5. Verify: the server's own prompt logprobs of a fixed probe sequence (``/v1/completions`` with a token-id
+   prompt and ``prompt_logprobs``) must equal the trainer's logprobs of the same ids under the new weights within
+   a dtype tolerance, and be closer to them than to the previous version's. Otherwise ``PublishError``: the run
+   stops, nothing trains as if the version had landed.
+"""
+
+import json
+import math
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+from forge.errors import ForgeError
+from sidecar.store import Store
+
+# The probe: fixed ids, no tokenizer at run time (SmolLM2's chat template of a short question and answer; for another
+# model only the ids' range matters: every id < 49152).
+PROBE_IDS = [
+    1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407, 19712, 8182, 2, 198,
+    1, 4093, 198, 5820, 253, 9552, 1230, 284, 1643, 1701, 357, 314, 9552, 30, 2, 198, 1, 520, 9531, 198, 40357, 42,
+    805, 582, 284, 4962, 10335, 357, 30, 2, 198,
+]  # fmt: skip
+# Mean |server − trainer| over the probe a landed publish stays under (fp32 serving measured ~1e-5; bf16 ~5e-2).
+TOLERANCE = {"float32": 2e-4, "bfloat16": 1.5e-1, "float16": 5e-2, "auto": 1.5e-1}
+
+
+class PublishError(ForgeError):
+    """A publish that did not land: the run must not go on as if it had."""
+
+
+@dataclass
+class PublishResult:
+    version: int
+    path: str
+    seconds: dict[str, float] = field(default_factory=dict)  # write, load, verify
+    probe_diff: float = math.nan  # mean |server − trainer(new)| over the probe
+    probe_diff_old: float = math.nan  # mean |server − trainer(old)|: what a publish that did not land would show
+
+
+def checkpoint_name(run: str, version: int) -> str:
+    return f"checkpoints/{run}/v{version}"
+
+
+def write_checkpoint(
+    store: Store, run: str, version: int, weights: Iterable[tuple[str, torch.Tensor]], base_model: Path,
+    peft_config: Any = None, local_dir: Path | None = None,
+) -> Path:  # fmt: skip
+    """Write version ``version`` atomically; returns the local folder vLLM loads (the store's on a local store)."""
+    from safetensors.torch import save_file
+
+    relative = checkpoint_name(run, version)
+    if store.is_local:
+        final = Path(store.path(relative))
+    else:
+        final = (local_dir or Path(os.environ.get("TMPDIR", "/tmp"))) / "forge-checkpoints" / relative
+    staging = final.with_name(f".{final.name}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        staging.mkdir(parents=True)
+        tensors: dict[str, torch.Tensor] = {}
+        shared: set[int] = set()
+        for name, tensor in weights:
+            tensor = tensor.detach().to("cpu").contiguous()
+            if tensor.data_ptr() in shared:  # tied weights (SmolLM2's lm_head is its embedding): stored once
+                continue
+            shared.add(tensor.data_ptr())
+            tensors[name] = tensor
+        if peft_config is not None:
+            save_file(tensors, staging / "adapter_model.safetensors", metadata={"format": "pt"})
+            config = peft_config.to_dict() if hasattr(peft_config, "to_dict") else dict(peft_config)
+            config["base_model_name_or_path"] = str(base_model)
+            (staging / "adapter_config.json").write_text(json.dumps(config, indent=1, default=_json_value))
+        else:
+            save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
+            for name in os.listdir(base_model):  # config, generation config, tokenizer: the HF folder's rest
+                if name.endswith((".json", ".jinja", ".txt")) and not name.startswith((".", "model.safetensors")):
+                    shutil.copy2(base_model / name, staging / name)
+        (staging / "_PUBLISHED.json").write_text(json.dumps({"run": run, "version": version, "at": time.time()}))
+        for written in staging.iterdir():
+            written.chmod(0o644)  # vLLM may run as another uid
+        staging.chmod(0o755)
+        if final.exists():  # a version written by a run that died before verifying it: replaced whole
+            shutil.rmtree(final)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(staging, final)
+    except OSError as error:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise ForgeError(f"cannot write the checkpoint {relative} to {store.uri}: {error}") from error
+    if not store.is_local:
+        try:
+            for path in sorted(final.iterdir(), key=lambda p: p.name == "_PUBLISHED.json"):  # the marker last
+                with store.filesystem.open_output_stream(store.path(f"{relative}/{path.name}")) as out:
+                    out.write(path.read_bytes())
+        except OSError as error:
+            raise ForgeError(f"cannot upload the checkpoint {relative} to {store.uri}: {error}") from error
+    return final
+
+
+def _json_value(value: Any) -> Any:
+    """peft's config values JSON cannot hold: enums by value (``"LORA"``, ``"CAUSAL_LM"``), sets as lists."""
+    if hasattr(value, "value"):
+        return value.value
+    if isinstance(value, set | frozenset):
+        return sorted(value)
+    return str(value)
+
+
+class PolicyClient:
+    """The weight endpoints of one vLLM server (``forge serve`` starts it with them enabled)."""
+
+    def __init__(self, base_url: str, timeout: float = 300.0) -> None:  # reloads stalled >120 s on a loaded box
+        self.base_url = base_url.rstrip("/").removesuffix("/v1")
+        self.http = httpx.Client(base_url=self.base_url, timeout=timeout)
+
+    def _post(self, path: str, payload: dict | None = None, what: str = "") -> Any:
+        try:
+            answer = self.http.post(path, json=payload)
+        except httpx.HTTPError as error:
+            raise PublishError(
+                f"the policy server at {self.base_url} is unreachable ({what or path}): {error}"
+            ) from error
+        if answer.status_code >= 400:
+            raise PublishError(
+                f"the policy server refused {what or path}: HTTP {answer.status_code} {answer.text[:200]}"
+            )
+        try:
+            return answer.json() if answer.content else None
+        except ValueError:
+            return answer.text  # the LoRA endpoints answer in plain text
+
+    def check(self) -> str:
+        """The served model's name, or a one-line error when the server is down."""
+        try:
+            answer = self.http.get("/v1/models", timeout=10)
+            answer.raise_for_status()
+            return str(answer.json()["data"][0]["id"])
+        except (httpx.HTTPError, KeyError, IndexError, ValueError) as error:
+            raise ForgeError(
+                f"no policy server answers at {self.base_url}: start one (`forge serve`) or fix --policy-url"
+            ) from error
+
+    def weight_version(self) -> str | None:
+        answer = self.http.get("/weight_info", timeout=10)
+        answer.raise_for_status()
+        version = answer.json().get("weight_version")
+        return None if version is None else str(version)
+
+    def load_full(self, directory: Path) -> None:
+        self._post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(directory)}},
+                   what="reload_weights")  # fmt: skip
+
+    def unload_adapter(self, name: str) -> None:
+        try:
+            self.http.post("/v1/unload_lora_adapter", json={"lora_name": name})  # absent the first time: ignored
+        except httpx.HTTPError as error:
+            raise PublishError(
+                f"the policy server at {self.base_url} is unreachable (unload adapter): {error}"
+            ) from error
+
+    def load_adapter(self, name: str, directory: Path) -> None:
+        self.unload_adapter(name)
+        self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(directory)}, what="load adapter")
+
+    def reset_prefix_cache(self, attempts: int = 20) -> None:
+        for _ in range(attempts):
+            answer = self._post("/reset_prefix_cache", what="reset_prefix_cache")
+            if not isinstance(answer, dict) or answer.get("success", True):
+                return
+            time.sleep(0.25)  # running requests hold blocks
+        raise PublishError("the policy server would not reset its prefix cache: calls could reuse old-weight KV")
+
+    def set_version(self, version: int) -> None:
+        self._post("/update_weight_version", {"new_version": str(version)}, what="update_weight_version")
+
+    def prompt_logprobs(self, model: str, ids: list[int]) -> list[float]:
+        """The server's logprob of each id after the first, given the ids before it."""
+        answer = self._post("/v1/completions", {"model": model, "prompt": ids, "max_tokens": 1, "temperature": 0,
+                                                "prompt_logprobs": 0}, what="the probe")  # fmt: skip
+        rows = answer["choices"][0].get("prompt_logprobs") or []
+        if len(rows) != len(ids):
+            raise PublishError(f"the probe came back with {len(rows)} prompt logprobs for {len(ids)} ids")
+        return [float(rows[i][str(ids[i])]["logprob"]) for i in range(1, len(ids))]
+
+
+def mean_abs_diff(a: list[float], b: list[float]) -> float:
+    return sum(abs(x - y) for x, y in zip(a, b, strict=True)) / max(1, len(a))
