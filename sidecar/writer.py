@@ -164,8 +164,7 @@ class RecordWriter:
     # -- identity and call order ------------------------------------------------------------------------------
     def _meta(self, key: str) -> str | None:
         with self.lock:
-            found = self.db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
-        return found[0] if found else None
+            return self._meta_locked(key)
 
     def _new_identity(self) -> str:
         base = os.environ.get("POD_NAME") or os.uname().nodename
@@ -341,9 +340,13 @@ class RecordWriter:
                     log.info("%s is already in the store (written before a restart): kept as it is", name)
                 written += 1
         with self.lock, self.db:  # the rows leave the WAL only now, in one transaction
-            self.db.execute("DELETE FROM records WHERE tbl = ? AND id BETWEEN ? AND ?", (table, first, last))
+            where = ("tbl = ? AND id BETWEEN ? AND ?", (table, first, last))
+            (freed,) = self.db.execute(
+                f"SELECT COALESCE(SUM(size), 0) FROM records WHERE {where[0]}", where[1]
+            ).fetchone()
+            self.db.execute(f"DELETE FROM records WHERE {where[0]}", where[1])
             self.db.execute("DELETE FROM batches WHERE number = ?", (number,))
-            self.pending_bytes = self.db.execute("SELECT COALESCE(SUM(size), 0) FROM records").fetchone()[0]
+            self.pending_bytes -= freed  # the batch's own rows, not a scan of everything still waiting
         self.metrics.inc(f'records_stored_total{{table="{table}"}}', len(rows))
         self.metrics.inc("files_written_total", written)
 
