@@ -48,6 +48,18 @@ def in_work(args: list[str], work: Path) -> list[str]:
     return args
 
 
+def image_forge(work: Path) -> tuple[list[str], dict[str, str]]:
+    """`forge` as the sidecar image runs it (`python -m k8s.pod` in the sidecar env) from a copy every uid can read:
+    CI may clone into a folder only root can enter, and uids 1337 and the verifier's run it."""
+    code = work / "image-src"
+    for package in ("forge", "sidecar", "k8s"):
+        shutil.copytree(ROOT / package, code / package, ignore=shutil.ignore_patterns("__pycache__"))
+    for path in [code, *code.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    venv = (ROOT / ".venv-sidecar").resolve()
+    return [str(venv / "bin" / "python"), "-m", "k8s.pod"], {"PYTHONPATH": str(code), "FORGE_SIDECAR_VENV": str(venv)}
+
+
 def test_the_injected_commands_make_a_recording_pod(tmp_path):
     if blocked := closed_to_others((ROOT / ".venv-sidecar" / "bin").resolve()):
         pytest.fail(f"{blocked} is closed to other uids: build the envs where uid {PROXY_UID} can read")
@@ -71,7 +83,9 @@ def test_the_injected_commands_make_a_recording_pod(tmp_path):
                 file.chmod(0o444)  # the Secret volume's defaultMode
 
             ca_init = in_work(inject.ca_init_container(settings)["args"], work)
-            net.pod.run([FORGE, *ca_init], uid=PROXY_UID, env={"PATH": "/usr/bin:/bin", "HOME": str(work / "wal")})
+            pod_forge, pod_env = image_forge(work)
+            net.pod.run([*pod_forge, *ca_init], uid=PROXY_UID,
+                        env={"PATH": "/usr/bin:/bin", "HOME": str(work / "wal"), **pod_env})  # fmt: skip
             net_init = inject.net_init_container(settings)["args"]
             net.pod.run([FORGE, *net_init])
             rules = net.pod.run(["iptables-save", "-t", "nat"]).stdout
@@ -126,8 +140,11 @@ def test_the_injected_commands_make_a_recording_pod(tmp_path):
             assert forged.stdout == "401"
             verifier_env = {"PATH": "/usr/bin:/bin", "FORGE_EPISODE_ID": "run9.add.0",
                             "FORGE_ADMIN_URL": "http://127.0.0.1:15002",
-                            "FORGE_REWARD_TOKEN_FILE": str(work / "reward/token")}  # fmt: skip
-            verify = [FORGE, "verify", "--termination-log", str(work / "termination-log"), "--", "sh", "-c", "echo 0.5"]
+                            "FORGE_REWARD_TOKEN_FILE": str(work / "reward/token"), **pod_env}  # fmt: skip
+            log = str(work / "termination-log")
+            # In the pod's own working folder: the checkout may be closed to the verifier's uid.
+            verify = ["env", "-C", str(work), *pod_forge, "verify", "--termination-log", log, "--", "sh", "-c",
+                      "echo 0.5"]  # fmt: skip
             net.pod.run(verify, uid=CLIENT_UID + 1, env=verifier_env)
             (reward,) = wait_for(lambda: read_rewards(str(work / "store")), what="the verifier's reward")
             assert reward["episode_id"] == "run9.add.0" and reward["reward"] == 0.5
