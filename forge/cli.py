@@ -16,6 +16,7 @@ PARTS: list[tuple[str, str]] = [
     ("Episodes and SQL (collector/)", "collector.cli"),
     ("Training (trainer/)", "trainer.train_cli"),
     ("Kubernetes (k8s/)", "k8s.cli"),
+    ("The whole loop (forge/demo/)", "forge.demo.cli"),
 ]
 
 

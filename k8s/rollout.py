@@ -188,6 +188,9 @@ class LocalSettings:
     proxy_url: str | None = None  # the sidecar in regular mode, http://127.0.0.1:PORT (None: no proxy)
     trust_env: dict[str, str] = field(default_factory=dict)  # the sidecar CA's trust variables
     base_env: dict[str, str] = field(default_factory=lambda: dict(os.environ))
+    # True: a harness that crashes (exit status ≠ 0) or times out gets no reward, its reason recorded (forge demo);
+    # False: its end is judged by the verifier like any other.
+    harness_must_succeed: bool = False
 
 
 def rollout_env(rollout: Rollout, settings: LocalSettings) -> dict[str, str]:
@@ -195,9 +198,9 @@ def rollout_env(rollout: Rollout, settings: LocalSettings) -> dict[str, str]:
     env |= {"FORGE_EPISODE_ID": rollout.episode_id, "FORGE_TASK_ID": rollout.task.id, "FORGE_RUN_ID": rollout.run_id,
             "FORGE_PROMPT": rollout.task.prompt}  # fmt: skip
     if settings.proxy_url:
-        # Regular mode: the proxy user name is the episode id (the sidecar asks every client for credentials).
+        # Regular mode: the proxy user name is EPISODE;task=TASK (the sidecar asks every client for credentials).
         scheme, _, address = settings.proxy_url.partition("://")
-        proxy = f"{scheme}://{rollout.episode_id}:x@{address}"
+        proxy = f"{scheme}://{rollout.episode_id};task={rollout.task.id}:x@{address}"
         env |= {"HTTPS_PROXY": proxy, "HTTP_PROXY": proxy, "https_proxy": proxy, "http_proxy": proxy}
     return env
 
@@ -217,9 +220,14 @@ def run_local_rollout(attempt: Attempt, settings: LocalSettings) -> Outcome:
             )  # fmt: skip
         (folder / "harness.exit").write_text(f"{harness.returncode}\n")
     except subprocess.TimeoutExpired:
-        (folder / "harness.exit").write_text("timeout\n")  # judged by the verifier like any other end
+        (folder / "harness.exit").write_text("timeout\n")
+        if settings.harness_must_succeed:
+            return Outcome(None, f"the harness timed out after {rollout.task.timeout_s:.0f} s ({folder}/harness.log)")
     except OSError as error:
         return Outcome(None, f"the harness could not start: {error.strerror}")
+    else:
+        if settings.harness_must_succeed and harness.returncode != 0:
+            return Outcome(None, f"the harness exited with status {harness.returncode} ({folder}/harness.log)")
     verdict = run_verifier(rollout.task.verifier, folder, env, max(1.0, deadline - time.monotonic()))
     if verdict.exit_code == -1 and "could not start" in verdict.detail:
         return Outcome(None, verdict.detail)
@@ -329,17 +337,20 @@ def run_local(
     tasks: list[Task], group_size: int, run_id: str, workdir: Path, store: str, upstream: str | None,
     concurrency: int = 4, retries: int = 2, s3_endpoint: str | None = None,
     on_result: Callable[[RolloutResult], None] | None = None, progress: bool = False,
+    harness_must_succeed: bool = False,
 ) -> list[RolloutResult]:  # fmt: skip
     """The local backend whole: G rollouts of each task as processes behind one sidecar (none when `upstream` is
     None: rewards only), rewards into `store`. What `forge rollout --backend local` and `forge demo` run."""
     rollouts = rollouts_for(tasks, group_size, run_id)
     folder = workdir / run_id
     if upstream is None:
-        backend = LocalBackend(LocalSettings(folder, store, s3_endpoint))
+        backend = LocalBackend(LocalSettings(folder, store, s3_endpoint, harness_must_succeed=harness_must_succeed))
         return orchestrate(rollouts, backend, concurrency, retries, on_result, progress)
     from sidecar.ca import CaFiles
 
     with LocalSidecar(upstream, store, run_id, folder / "sidecar", s3_endpoint) as sidecar:
         trust = CaFiles(folder / "sidecar" / "ca").trust_env()
-        backend = LocalBackend(LocalSettings(folder, store, s3_endpoint, sidecar.url, trust))
+        backend = LocalBackend(
+            LocalSettings(folder, store, s3_endpoint, sidecar.url, trust, harness_must_succeed=harness_must_succeed)
+        )
         return orchestrate(rollouts, backend, concurrency, retries, on_result, progress)

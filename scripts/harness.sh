@@ -1,20 +1,36 @@
 #!/usr/bin/env bash
 # Install a real harness from its registry once, pinned, into $FORGE_CACHE/harnesses/<name>-<version>.
-# Usage: scripts/harness.sh codex|claude-code   (prints the path of its executable)
+# Usage: scripts/harness.sh codex|claude-code|mini-swe-agent   (prints the path of its executable)
 set -euo pipefail
 cache="${FORGE_CACHE:-/var/cache/openforge}/harnesses"
 case "${1:-}" in
   codex) package="@openai/codex"; version="0.171.0"; bin="node_modules/.bin/codex" ;;
   claude-code) package="@anthropic-ai/claude-code"; version="2.1.332"
     bin="node_modules/@anthropic-ai/claude-code/bin/claude.exe" ;;
-  *) echo "harness.sh: unknown harness '${1:-}' (known: codex, claude-code)" >&2; exit 2 ;;
+  mini-swe-agent) package="mini-swe-agent"; req="$(cd "$(dirname "$0")/.." && pwd)/requirements/harness-mini-swe-agent.txt"
+    version="$(grep '^mini-swe-agent==' "$req" | cut -d= -f3)-$(sha256sum "$req" | cut -c1-8)"; bin="bin/mini" ;;
+  *) echo "harness.sh: unknown harness '${1:-}' (known: codex, claude-code, mini-swe-agent)" >&2; exit 2 ;;
 esac
 dir="$cache/$1-$version"
+if [ "$1" = mini-swe-agent ]; then
+  # A Python harness: its own venv, built in place (venvs do not move), the pinned closure, nothing resolved;
+  # .complete marks a finished build.
+  if [ ! -f "$dir/.complete" ]; then
+    rm -rf "$dir" && mkdir -p "$cache"
+    python3 -m venv "$dir"
+    "$dir/bin/python" -m pip install -q --disable-pip-version-check --no-deps -r "$req" 2>&1 \
+      | { grep -v "is neither a file nor a directory" || true; } >&2
+    chmod -R a+rX "$dir" && touch "$dir/.complete"
+    echo "harness.sh: installed $package in $dir" >&2
+  fi
+  echo "$dir/$bin"
+  exit 0
+fi
 if [ ! -x "$dir/$bin" ]; then
-  command -v npm >/dev/null || { echo "harness.sh: npm is needed to install $package" >&2; exit 2; }
   mkdir -p "$cache"
   stage=$(mktemp -d "$cache/.$1-XXXXXX")
   trap 'rm -rf "$stage"' EXIT
+  command -v npm >/dev/null || { echo "harness.sh: npm is needed to install $package" >&2; exit 2; }
   npm install --no-audit --no-fund --loglevel=error --prefix "$stage" "$package@$version" >&2
   if [ "$1" = claude-code ]; then  # npm 11 skips its postinstall, which fetches the native binary
     (cd "$stage/node_modules/@anthropic-ai/claude-code" && node install.cjs >&2)

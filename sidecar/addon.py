@@ -68,6 +68,15 @@ DEFAULT_MODEL_HOSTS = "api.openai.com,api.anthropic.com"
 MAX_RECORDED_BODY = 4 << 20  # bodies bigger than this are recorded as a note, not copied
 
 
+def proxy_identity(user: str | None) -> tuple[str | None, str | None]:
+    """Episode and task from a regular-mode proxy user name: ``EPISODE`` or ``EPISODE;task=TASK`` (the password
+    is never read: it may hold a secret). `forge rollout`'s local backend names both."""
+    if not user:
+        return None, None
+    episode, _, rest = user.partition(";task=")
+    return episode or None, rest or None
+
+
 @dataclass
 class Call:
     """One model call in flight (kept in ``flow.metadata``)."""
@@ -328,9 +337,9 @@ class Forge:
         from the downward API) the pod's identity comes next and what a client says (header, proxy user name) is
         ignored and counted, unless --trust-episode-header: the agent runs shell commands in that pod."""
         o = ctx.options
-        proxy_user = (flow.metadata.get("proxyauth") or (None,))[0]
+        proxy_user, proxy_task = proxy_identity((flow.metadata.get("proxyauth") or (None,))[0])
         claimed_episode = proxy_user or flow.request.headers.get(EPISODE_HEADER)
-        claimed_task = flow.request.headers.get(TASK_HEADER)
+        claimed_task = proxy_task or flow.request.headers.get(TASK_HEADER)
         pod_task = os.environ.get("FORGE_TASK_ID")
         if self.pod_episode and not o.forge_trust_episode_header:
             episode = o.forge_episode_id or self.pod_episode

@@ -31,7 +31,11 @@ class EngineSettings:
     clip_ratio: float = 0.2
     entropy_coeff: float = 0.0
     kl_coef: float = 0.0  # > 0: KL to the initial weights (the LoRA base, or a reference copy) in the loss
-    max_token_len: int = 16384  # per micro-batch (veRL's dynamic batch size)
+    # Tokens per micro-batch (veRL's dynamic batch size); a row longer than this gets a micro-batch of its own.
+    max_token_len: int = 16384
+    # Recompute each layer's activations in the backward pass (~1.3x the compute): without it a micro-batch keeps
+    # ~1.2 MB of activations per token for SmolLM2 (a 4,096-token micro-batch: ~5 GB besides its logits).
+    gradient_checkpointing: bool = False
     grad_clip: float = 1.0
     freeze_tied_embedding: bool = True  # see PolicyEngine._freeze_tied_embedding
     seed: int = 1
@@ -67,7 +71,8 @@ def worker_config(settings: EngineSettings) -> tuple[Any, Any]:
 
     gpu = cpu_platform.on_gpu()
     model = HFModelConfig(
-        path=str(settings.model_dir), use_remove_padding=False, enable_gradient_checkpointing=False,
+        path=str(settings.model_dir), use_remove_padding=False,
+        enable_gradient_checkpointing=settings.gradient_checkpointing,
         lora_rank=settings.lora_rank, lora_alpha=settings.lora_alpha, target_modules="all-linear",
         override_config={"attn_implementation": "sdpa"},
     )  # fmt: skip
@@ -76,6 +81,7 @@ def worker_config(settings: EngineSettings) -> tuple[Any, Any]:
         strategy="fsdp2", model_dtype="fp32", use_torch_compile=False, use_dynamic_bsz=True,
         max_token_len_per_gpu=settings.max_token_len, infer_max_token_len_per_gpu=settings.max_token_len,
         mixed_precision=None if gpu else precision, seed=settings.seed,
+        entropy_checkpointing=settings.gradient_checkpointing,
     )  # fmt: skip
     optim = FSDPOptimizerConfig(lr=settings.lr, weight_decay=0.0, clip_grad=settings.grad_clip)
     checkpoint = CheckpointConfig(
@@ -95,11 +101,15 @@ def worker_config(settings: EngineSettings) -> tuple[Any, Any]:
     return worker, actor
 
 
-def to_engine_input(tensors: dict[str, torch.Tensor], **meta: Any) -> Any:
-    """Padded tensors → veRL's no-padding TensorDict (nested input ids), with per-call settings as non-tensors."""
+def to_engine_input(tensors: dict[str, torch.Tensor], max_token_len: int | None = None, **meta: Any) -> Any:
+    """Padded tensors → veRL's no-padding TensorDict (nested input ids), with per-call settings as non-tensors.
+
+    ``max_token_len``: tokens per micro-batch, raised to the longest row (veRL asserts every row fits one)."""
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import left_right_2_no_padding
 
+    if max_token_len is not None:
+        meta["max_token_len_per_gpu"] = max(max_token_len, int(tensors["attention_mask"].sum(-1).max()))
     data = tu.get_tensordict(dict(tensors))
     data = left_right_2_no_padding(data)
     tu.assign_non_tensor(data, temperature=1.0, **meta)
@@ -139,7 +149,7 @@ class PolicyEngine:
         from verl.utils import tensordict_utils as tu
         from verl.workers.utils.padding import no_padding_2_padding
 
-        data = to_engine_input(tensors, compute_loss=False, calculate_entropy=True)
+        data = to_engine_input(tensors, self.settings.max_token_len, compute_loss=False, calculate_entropy=True)
         output = self.worker.infer_batch(data)
         log_probs = no_padding_2_padding(tu.get(output, "log_probs"), data).float()
         entropy = no_padding_2_padding(tu.get(output, "entropy"), data).float()
@@ -151,8 +161,8 @@ class PolicyEngine:
 
         n = tensors["responses"].shape[0]
         data = to_engine_input(
-            tensors, compute_loss=True, calculate_entropy=True, global_batch_size=n, mini_batch_size=n, epochs=1,
-            seed=self.settings.seed, dataloader_kwargs={"shuffle": False},
+            tensors, self.settings.max_token_len, compute_loss=True, calculate_entropy=True, global_batch_size=n,
+            mini_batch_size=n, epochs=1, seed=self.settings.seed, dataloader_kwargs={"shuffle": False},
         )  # fmt: skip
         output = self.worker.train_mini_batch(data)
         return dict(tu.get(output, "metrics"))

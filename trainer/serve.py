@@ -173,6 +173,7 @@ class PolicyServer:
             self.process = subprocess.Popen(
                 self.command(), env=self.environment(), stdout=log, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL, start_new_session=True,  # own process group: stop() reaches the engine
+                preexec_fn=_terminate_with_parent,
             )  # fmt: skip
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -217,6 +218,15 @@ class PolicyServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _terminate_with_parent() -> None:
+    """In the child before exec: SIGTERM it when the process that started it dies, even by SIGKILL (an OOM kill
+    of `forge demo` must not leave a 3 GB vLLM behind); vLLM's API server then stops its engine."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG (Linux)
 
 
 def _kill_group(pgid: int, timeout: float) -> None:

@@ -1,0 +1,344 @@
+"""`forge demo`: the whole loop on one machine, round after round, with a real and unmodified harness.
+
+One round: G rollouts of each task through mini-swe-agent (its own venv, its own default endpoint,
+api.openai.com, reached through HTTPS_PROXY = the sidecar, which answers from the policy server and records every
+call) → each rollout's verifier scores its workspace and the reward goes to the store → the collector assembles
+the round's episodes (one GRPO group per task) → the trainer does one synchronous update (veRL, LoRA by default),
+publishes v+1 to the policy server and verifies it landed → the next round runs on v+1.
+
+The pieces are the project's own: `trainer.serve.PolicyServer`, `k8s.rollout.run_local` (its `LocalSidecar`),
+`collector.collect.Collector`, `trainer.loop.Trainer`. This module only sequences them, counts, and writes the
+summary (a table, a PNG of the rounds, the HTML of one episode).
+"""
+
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from forge.errors import ForgeError
+from k8s.rollout import RolloutResult, run_local
+from k8s.tasks import Task, load_tasks
+
+TASKS_DIR = Path(__file__).parent / "tasks"
+TASKS_FILE = TASKS_DIR / "tasks.jsonl"
+
+
+@dataclass
+class DemoSettings:
+    out: Path  # everything of this run: store (by default), rollouts, trainer state, summary, plot, episode page
+    run: str
+    store: str | None = None  # default: <out>/store
+    s3_endpoint: str | None = None
+    tasks: int = 4
+    rollouts: int = 4  # G: rollouts per task per round (one GRPO group)
+    rounds: int = 3
+    concurrency: int = 4
+    lora_rank: int = 8  # 0: full weights
+    lr: float = 2e-4
+    algo: str = "grpo"
+    harness: Path | None = None  # mini-swe-agent's `mini` (default: scripts/harness.sh's install)
+    policy_url: str | None = None  # a running `forge serve` (default: start one for the demo)
+    progress: bool = True
+    tasks_file: Path = TASKS_FILE
+    harness_env: dict[str, str] = field(default_factory=dict)  # extra settings for every rollout
+
+    @property
+    def store_uri(self) -> str:
+        return self.store or str(self.out / "store")
+
+
+@dataclass
+class RoundStats:
+    round: int
+    version: int  # the policy version the round's rollouts were served by
+    episodes: int
+    complete: int
+    failed_rollouts: int
+    calls: int
+    trainable_tokens: int
+    fork_rate: float
+    reward_mean: float
+    reward_sd: float
+    groups: int
+    zero_variance_groups: int
+    rollout_s: float
+    update_s: float = math.nan
+    publish_s: float = math.nan
+    new_version: int | None = None  # after this round's update (None: no update)
+    calls_by_version: dict[str, int] = field(default_factory=dict)
+    note: str = ""
+
+
+def demo_tasks(settings: DemoSettings, mini: Path) -> list[Task]:
+    tasks = load_tasks(settings.tasks_file)
+    if not 1 <= settings.tasks <= len(tasks):
+        raise ForgeError(f"--tasks must be between 1 and {len(tasks)} (the tasks in {settings.tasks_file})")
+    env = {
+        "FORGE_DEMO_MINI": str(mini), "FORGE_DEMO_DIR": str(TASKS_DIR), "FORGE_DEMO_PYTHON": sys.executable,
+        # mini-swe-agent as a user runs it: no setup wizard, its config and its logs beside the run, a key it
+        # sends to "OpenAI" (the sidecar redacts it; the policy server needs none).
+        "MSWEA_CONFIGURED": "true", "MSWEA_COST_TRACKING": "ignore_errors", "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+        "MSWEA_GLOBAL_CONFIG_DIR": str(settings.out / "mini-swe-agent"), "MSWEA_SILENT_STARTUP": "1",
+        "OPENAI_API_KEY": os.environ.get("OPENAI_API_KEY", "sk-openforge-demo"),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(TASKS_DIR.parents[2]), os.environ.get("PYTHONPATH")])),
+        **settings.harness_env,
+    }  # fmt: skip
+    return [dataclasses.replace(task, env={**task.env, **env}) for task in tasks[: settings.tasks]]
+
+
+def find_harness(explicit: Path | None) -> Path:
+    """mini-swe-agent's `mini`: --harness, else where `scripts/harness.sh mini-swe-agent` installs it."""
+    import subprocess
+
+    from forge.paths import repo_root
+
+    if explicit:
+        if not os.access(explicit, os.X_OK):
+            raise ForgeError(f"--harness {explicit} is not an executable")
+        return explicit
+    script = repo_root() / "scripts" / "harness.sh"
+    try:
+        found = subprocess.run([str(script), "mini-swe-agent"], capture_output=True, text=True, timeout=900, check=True)
+    except (OSError, subprocess.SubprocessError) as error:
+        detail = getattr(error, "stderr", "") or str(error)
+        raise ForgeError(f"cannot install mini-swe-agent ({script} mini-swe-agent): {detail.strip()[-300:]}") from error
+    return Path(found.stdout.strip().splitlines()[-1])
+
+
+def round_stats(
+    number: int, version: int, run_id: str, episodes: pa.Table, calls_by_version: dict[str, int],
+    results: list[RolloutResult], rollout_s: float,
+) -> RoundStats:  # fmt: skip
+    """The round's figures from the collector's episodes of its run (one group per task)."""
+    mine = episodes.filter(pc.equal(episodes["run_id"], run_id)).to_pylist()
+    complete = [e for e in mine if e["status"] == "complete"]
+    rewards = [float(e["reward"]) for e in complete]
+    mean = sum(rewards) / len(rewards) if rewards else math.nan
+    sd = math.sqrt(sum((r - mean) ** 2 for r in rewards) / (len(rewards) - 1)) if len(rewards) > 1 else 0.0
+    groups: dict[str, list[float]] = {}
+    for e in complete:
+        groups.setdefault(e["group_id"], []).append(float(e["reward"]))
+    follow_ups = sum(e["n_merged"] + e["n_forked"] for e in mine)
+    return RoundStats(
+        round=number, version=version, episodes=len(mine), complete=len(complete),
+        failed_rollouts=sum(not r.ok for r in results), calls=sum(e["n_calls"] for e in mine),
+        trainable_tokens=sum(e["n_trainable"] for e in complete),
+        fork_rate=sum(e["n_forked"] for e in mine) / follow_ups if follow_ups else 0.0,
+        reward_mean=mean, reward_sd=sd, groups=len(groups),
+        zero_variance_groups=sum(1 for g in groups.values() if len(g) < 2 or max(g) == min(g)),
+        rollout_s=rollout_s, calls_by_version=calls_by_version,
+    )  # fmt: skip
+
+
+def calls_by_version(store: str, s3_endpoint: str | None, run_id: str) -> dict[str, int]:
+    """How many of the round's recorded calls each policy version served (from the records, not our own count)."""
+    from collector.sql import connect
+
+    con = connect(store, s3_endpoint, run=run_id)
+    rows = con.execute("SELECT coalesce(policy_version, '?'), count(*) FROM calls GROUP BY 1 ORDER BY 1").fetchall()
+    return {str(v): int(n) for v, n in rows}
+
+
+TABLE_COLUMNS = [
+    ("round", "round"), ("policy version", "version"), ("episodes", "episodes"), ("calls", "calls"),
+    ("trainable tokens", "trainable_tokens"), ("fork rate", "fork_rate"), ("reward mean ± sd", "reward"),
+    ("zero-var groups", "zero_variance_groups"), ("rollout s", "rollout_s"), ("update s", "update_s"),
+    ("publish s", "publish_s"),
+]  # fmt: skip
+
+
+def summary_table(rounds: list[RoundStats]) -> str:
+    def cell(stats: RoundStats, key: str) -> str:
+        if key == "reward":
+            return "-" if math.isnan(stats.reward_mean) else f"{stats.reward_mean:.3f} ± {stats.reward_sd:.3f}"
+        if key == "episodes":
+            return f"{stats.complete}/{stats.episodes}"
+        if key == "zero_variance_groups":
+            return f"{stats.zero_variance_groups}/{stats.groups}"
+        if key == "version":
+            return f"v{stats.version}" + (f" → v{stats.new_version}" if stats.new_version is not None else "")
+        value = getattr(stats, key)
+        if isinstance(value, float):
+            return "-" if math.isnan(value) else (f"{value:.2f}" if key == "fork_rate" else f"{value:.1f}")
+        return str(value)
+
+    rows = [[title for title, _ in TABLE_COLUMNS]] + [[cell(s, key) for _, key in TABLE_COLUMNS] for s in rounds]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(TABLE_COLUMNS))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
+    return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:]])
+
+
+def plot_rounds(rounds: list[RoundStats], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = [s.round for s in rounds]
+    figure, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    means = [s.reward_mean for s in rounds]
+    sds = [s.reward_sd for s in rounds]
+    axes[0].errorbar(x, means, yerr=sds, marker="o", capsize=3)
+    axes[0].set_title("reward per round (mean ± sd)")
+    axes[1].bar(x, [s.zero_variance_groups for s in rounds], label="zero-variance groups")
+    axes[1].plot(x, [s.fork_rate * max(1, s.groups) for s in rounds], "k--", label="fork rate × groups")
+    axes[1].set_title("groups with equal rewards")
+    axes[1].legend(fontsize=8)
+    axes[2].bar([i - 0.2 for i in x], [s.rollout_s for s in rounds], 0.4, label="rollouts")
+    axes[2].bar([i + 0.2 for i in x], [0 if math.isnan(s.update_s) else s.update_s + s.publish_s for s in rounds],
+                0.4, label="update + publish")  # fmt: skip
+    axes[2].set_title("seconds per round")
+    axes[2].legend(fontsize=8)
+    for ax in axes:
+        ax.set_xlabel("round")
+        ax.set_xticks(x)
+    figure.suptitle(title, fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+class Demo:
+    def __init__(self, settings: DemoSettings, echo=print) -> None:
+        self.settings = settings
+        self.echo = echo
+        self.rounds: list[RoundStats] = []
+        self.files: dict[str, Path] = {}
+
+    def run(self) -> list[RoundStats]:
+        from trainer.serve import PolicyServer, default_checkpoint, free_port
+
+        s = self.settings
+        s.out.mkdir(parents=True, exist_ok=True)
+        if s.store is None:
+            Path(s.store_uri).mkdir(exist_ok=True)
+        started = time.monotonic()
+        mini = find_harness(s.harness)
+        tasks = demo_tasks(s, mini)
+        self.echo(f"forge demo: run {s.run}: {len(tasks)} tasks × {s.rollouts} rollouts × {s.rounds} rounds through "
+                  f"mini-swe-agent ({mini}); store {s.store_uri}; everything in {s.out}")  # fmt: skip
+        server = None
+        if s.policy_url is None:
+            self.echo("forge demo: starting the policy server (vLLM) ...")
+            server = PolicyServer(model=default_checkpoint(), port=free_port(), run_dir=s.out / "policy-server")
+            server.start()
+            policy_url = server.base_url
+        else:
+            policy_url = s.policy_url.rstrip("/").removesuffix("/v1")
+        try:
+            self._rounds(tasks, policy_url)
+        finally:
+            if server is not None:
+                server.stop()
+        self.finish(time.monotonic() - started)
+        return self.rounds
+
+    def _rounds(self, tasks: list[Task], policy_url: str) -> None:
+        from trainer.loop import Trainer, TrainSettings, select_groups
+
+        s = self.settings
+        trainer = Trainer(
+            TrainSettings(
+                store=s.store_uri, policy_url=policy_url, run=s.run, mode="sync", steps=s.rounds,
+                episodes_per_step=1, lora_rank=s.lora_rank, algo=s.algo, lr=s.lr, s3_endpoint=s.s3_endpoint,
+                state_dir=s.out / "trainer", wait_timeout=60.0, poll_seconds=0.5,
+                idle_seconds=0.0,  # a round's rollouts have all ended before it is collected: no reward = none
+                # Memory on a laptop-sized machine: micro-batches of ~1k tokens (logits are tokens × 49k vocabulary
+                # in fp32) and recomputed activations keep the update at ~5 GB (16k-token micro-batches: 13 GB).
+                max_token_len=1024, gradient_checkpointing=True,
+            ),
+            echo=self.echo,
+        )  # fmt: skip
+        metrics_file = s.out / "metrics.jsonl"
+        for number in range(1, s.rounds + 1):
+            version, run_id = trainer.state.version, f"{s.run}-r{number}"
+            self.echo(f"forge demo: round {number}/{s.rounds}: rollouts on policy v{version} (run id {run_id})")
+            t0 = time.monotonic()
+            results = run_local(
+                tasks, s.rollouts, run_id, s.out / "rollouts", s.store_uri, policy_url, concurrency=s.concurrency,
+                retries=0, s3_endpoint=s.s3_endpoint, progress=s.progress, harness_must_succeed=True,
+            )  # fmt: skip
+            rollout_s = time.monotonic() - t0
+            collection = trainer.collector.update()
+            stats = round_stats(number, version, run_id, collection.episodes,
+                                calls_by_version(s.store_uri, s.s3_endpoint, run_id), results, rollout_s)  # fmt: skip
+            for failed in (r for r in results if not r.ok):
+                self.echo(f"forge demo:   rollout {failed.rollout.episode_id} failed, no reward: "
+                          f"{'; '.join(failed.reasons)}")  # fmt: skip
+            exclude = set(trainer.state.trained) | set(trainer.state.skipped)
+            chosen, _, _ = select_groups(collection.episodes, version, "sync", 0, exclude, 1 << 30)
+            if stats.zero_variance_groups == stats.groups:
+                stats.note = "every group's rewards are equal: GRPO has nothing to learn from this round"
+            if not chosen:
+                stats.note = "no complete episode: no update this round"
+                self.echo(f"forge demo:   {stats.note}")
+            else:
+                trainer.settings.episodes_per_step = len(chosen)
+                metrics = trainer.step()
+                with metrics_file.open("a") as out:
+                    out.write(json.dumps({"round": number, **metrics}, default=str) + "\n")
+                stats.update_s, stats.publish_s = metrics["update_s"], metrics["publish_s"]
+                stats.new_version = trainer.state.version
+                self.echo(f"forge demo:   update on {len(chosen)} episodes: {metrics['update_s']:.1f} s; v"
+                          f"{stats.new_version} published and verified in {metrics['publish_s']:.2f} s (probe "
+                          f"difference {metrics['probe_diff']:.1e})")  # fmt: skip
+            self.rounds.append(stats)
+            self.echo(summary_table(self.rounds[-1:]).splitlines()[-1])
+        self.files["metrics"] = metrics_file
+
+    def finish(self, wall_s: float) -> None:
+        s = self.settings
+        table = summary_table(self.rounds)
+        plot = s.out / "rounds.png"
+        update = f"LoRA r={s.lora_rank}" if s.lora_rank else "full weights"
+        plot_rounds(self.rounds, plot, f"forge demo {s.run}: {s.tasks} tasks × {s.rollouts} rollouts, {update}")
+        self.files["plot"] = plot
+        page = self.episode_page()
+        if page:
+            self.files["episode"] = page
+        summary = s.out / "summary.json"
+        rounds = [dataclasses.asdict(r) for r in self.rounds]
+        summary.write_text(json.dumps({"run": s.run, "wall_s": wall_s, "rounds": rounds}, indent=1))
+        self.files["summary"] = summary
+        (s.out / "summary.txt").write_text(table + "\n")
+        self.echo("")
+        self.echo(table)
+        for stats in self.rounds:
+            if stats.note:
+                self.echo(f"round {stats.round}: {stats.note}")
+        import resource
+
+        peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+        self.echo(f"\nforge demo: {len(self.rounds)} rounds in {wall_s / 60:.1f} min (peak memory of this process "
+                  f"{peak_gb:.1f} GB, the policy server's apart). Files:")  # fmt: skip
+        for name, path in {"store": Path(s.store_uri), **self.files, "rollouts": s.out / "rollouts"}.items():
+            self.echo(f"  {name:9} {path}")
+        self.echo(f"Query it: forge sql --store {s.store_uri} \"SELECT episode_id, status, reward, n_calls FROM "
+                  "episodes ORDER BY episode_id\"")  # fmt: skip
+
+    def episode_page(self) -> Path | None:
+        """The HTML page of the last round's best complete episode (the collector's viewer)."""
+        from collector.sql import connect
+        from collector.view import render_episode, tokenizer_decoder
+
+        s = self.settings
+        if not self.rounds:
+            return None
+        con = connect(s.store_uri, s.s3_endpoint, episodes=True, state_dir=None, idle_seconds=0.0)
+        row = con.execute(
+            "SELECT episode_id FROM episodes WHERE run_id = ? AND status = 'complete' "
+            "ORDER BY reward DESC, n_calls DESC, episode_id LIMIT 1", [f"{s.run}-r{self.rounds[-1].round}"]
+        ).fetchone()  # fmt: skip
+        if row is None:
+            return None
+        path = s.out / f"episode-{row[0]}.html"
+        path.write_text(render_episode(con, row[0], tokenizer_decoder()), encoding="utf-8")
+        return path
