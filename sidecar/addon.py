@@ -55,6 +55,7 @@ from sidecar.redact import (
     secrets_in_body,
     secrets_in_headers,
 )
+from sidecar.request_delta import RequestDelta, RequestIndex
 from sidecar.sse import EventFramer
 from sidecar.store import open_store
 from sidecar.version import VersionClock
@@ -93,18 +94,21 @@ class Call:
     recorded: bool = False
     stream_failed: bool = False
     error: str | None = None
+    bound: apis.CompletionBound | None = None  # how the completion's length was bounded
 
 
 class Forge:
     def __init__(self) -> None:
         self.metrics = Metrics()
         self.prefixes = PrefixIndex()
+        self.requests = RequestIndex()
         self.in_flight: dict[str, tuple[http.HTTPFlow, Call]] = {}  # calls begun, not yet recorded
         self.versions: VersionClock | None = None  # asks the server's weight version around each call
         self.writer: RecordWriter | None = None
         self.admin: AdminServer | None = None
         self.policy_version: str | None = None  # fixed by --policy-version; else asked per call
         self.policy_model: str | None = None
+        self.policy_context: int | None = None  # the policy server's max_model_len, asked once (GET /v1/models)
         self.model_hosts: set[str] = set()
         self.model_map: list[tuple[str, str]] = []
         self.upstream = urlparse("http://127.0.0.1:8000")
@@ -214,14 +218,30 @@ class Forge:
         if self.versions:
             self.versions.stop()
 
+    def _ask_models(self) -> None:
+        """The served model's name (unless given) and context, from the policy server's model list."""
+        base = f"{self.upstream.scheme}://{self.upstream.netloc}"
+        with urllib.request.urlopen(f"{base}/v1/models", timeout=2) as answer:
+            listed = json.load(answer)["data"]
+        if not ctx.options.forge_policy_model:
+            self.policy_model = listed[0]["id"]
+        served = next((m for m in listed if m.get("id") == self.policy_model), listed[0])
+        context = served.get("max_model_len")
+        if isinstance(context, int) and not isinstance(context, bool) and context > 0:
+            self.policy_context = context
+
+    async def _learn_context(self) -> None:
+        try:
+            await asyncio.to_thread(self._ask_models)
+        except Exception as error:  # the call goes on bounded by --max-completion-tokens only; the poller retries
+            log.warning("the policy server's context is not known yet (%s)", type(error).__name__)
+
     def _watch_policy(self) -> None:
         """Keep the served model name current, and whether the policy server is up (the version is per call)."""
-        base = f"{self.upstream.scheme}://{self.upstream.netloc}"
         while not self.stop.is_set():
             try:
-                if not ctx.options.forge_policy_model:
-                    with urllib.request.urlopen(f"{base}/v1/models", timeout=2) as answer:
-                        self.policy_model = json.load(answer)["data"][0]["id"]
+                if not ctx.options.forge_policy_model or self.policy_context is None:
+                    self._ask_models()
                 self.metrics.set("upstream_up", 1)
             except Exception:
                 self.metrics.set("upstream_up", 0)
@@ -267,6 +287,8 @@ class Forge:
             return
         try:
             if api in apis.RECORDED:
+                if self.policy_context is None:  # a call before the first poll: its bound needs the context
+                    await self._learn_context()
                 self._begin(flow, api)
                 call: Call = flow.metadata["forge_call"]
                 call.policy_version = self.policy_version or (await self.versions.before() if self.versions else None)
@@ -389,8 +411,7 @@ class Forge:
         served = self._served_model(call.model_requested)
         if served:
             body["model"] = served
-        if cap := ctx.options.forge_max_completion_tokens:
-            apis.cap_completion_tokens(api, body, cap)
+        call.bound = apis.bound_completion(api, body, ctx.options.forge_max_completion_tokens, self.policy_context)
         call.module = apis.module_for(api)
         try:
             call.added = call.module.prepare_request(api, body)
@@ -540,6 +561,11 @@ class Forge:
         if response_json is None and call.stream is not None:
             response_json = redacted_json(call.stream.summary(), call.secrets)
         user_agent = flow.request.headers.get("user-agent")
+        request = (
+            self.requests.split(call.episode_id, call.request_json)
+            if call.request_json is not None
+            else RequestDelta(None, 0, 0, "")
+        )
         row: CallRecord = {
             "call_id": call.call_id, "episode_id": call.episode_id, "task_id": call.task_id, "run_id": call.run_id,
             "seq": call.seq, "api": call.api, "stream": bool(call.added and call.added.stream),
@@ -552,13 +578,19 @@ class Forge:
             "http_status": flow.response.status_code if flow.response else None,
             "finish_reason": sampled.finish_reason if sampled else None, "error": call.error,
             "note": sampled.note if sampled else None,
+            "max_tokens_requested": call.bound.requested if call.bound else None,
+            "max_tokens_served": call.bound.served(len(prompt) // 4 if prompt is not None else None)
+            if call.bound
+            else None,
             "parent_call_id": parent, "prefix_len": prefix_len,
             "prompt_suffix_ids": prompt[prefix_len * 4 :] if prompt is not None else None,
             "prompt_len": len(prompt) // 4 if prompt is not None else None,
             "completion_token_ids": completion,
             "completion_logprobs": pack_floats(sampled.logprobs) if sampled else None,
             "n_unknown_logprobs": sum(1 for v in sampled.logprobs if v != v) if sampled else None,  # NaN != NaN
-            "request_json": call.request_json, "response_json": response_json,
+            "request_json": request.middle if call.request_json is not None else None,
+            "request_parent_call_id": request.parent_call_id, "request_prefix_chars": request.prefix_chars,
+            "request_suffix_chars": request.suffix_chars, "response_json": response_json,
             "usage": json.dumps(sampled.usage) if sampled and sampled.usage else None,
             "harness": harness_from_user_agent(user_agent),
             "user_agent": scrub_text(user_agent, call.secrets) if user_agent else None,
@@ -569,6 +601,8 @@ class Forge:
         probe = call.policy_version is not None and self.versions is not None
         row_id = self.writer.append("calls", checked_row("calls", row), hold=probe)
         if row_id is not None:
+            if call.request_json is not None:
+                self.requests.remember(call.episode_id, call.call_id, call.request_json)
             self.metrics.inc(f'calls_total{{status="{status}"}}')
             if probe and self.versions:
                 self.versions.after(row_id)
