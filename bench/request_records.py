@@ -31,9 +31,40 @@ from bench.fake_upstream import FakeUpstream
 from trainer.serve import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
-WORDS = [f"{a}{b}" for a in ("re", "un", "pre", "sub", "over", "in", "de", "co") for b in (
-    "read", "write", "file", "test", "code", "path", "line", "shell", "run", "edit", "grep", "build", "fix", "diff",
-    "task", "user", "tool", "call", "text", "data", "node", "tree", "list", "map", "key", "value", "error", "log")]
+WORDS = [
+    f"{a}{b}"
+    for a in ("re", "un", "pre", "sub", "over", "in", "de", "co")
+    for b in (
+        "read",
+        "write",
+        "file",
+        "test",
+        "code",
+        "path",
+        "line",
+        "shell",
+        "run",
+        "edit",
+        "grep",
+        "build",
+        "fix",
+        "diff",
+        "task",
+        "user",
+        "tool",
+        "call",
+        "text",
+        "data",
+        "node",
+        "tree",
+        "list",
+        "map",
+        "key",
+        "value",
+        "error",
+        "log",
+    )
+]
 
 
 def prose(seed: int, words: int) -> str:
@@ -58,10 +89,11 @@ def conversation(turns: int) -> list[dict[str, Any]]:
     for turn in range(turns):
         marked = json.loads(json.dumps(messages))
         marked[-1]["content"][-1]["cache_control"] = {"type": "ephemeral"}  # on the last message only, as CC does
+        billing = f"x-anthropic-billing-header: cc_version=2.1.332; cch={turn * 7919 % 100000:05d};"
         bodies.append({
             "model": "claude-sonnet-4-5", "messages": marked,
             "system": [
-                {"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1.332; cch={turn * 7919 % 100000:05d};"},
+                {"type": "text", "text": billing},
                 {"type": "text", "text": SYSTEM_PROMPT, "cache_control": {"type": "ephemeral"}},
             ],
             "tools": TOOLS, "metadata": {"user_id": "user_0000"}, "max_tokens": 128000, "stream": True,
@@ -72,7 +104,9 @@ def conversation(turns: int) -> list[dict[str, Any]]:
             {"type": "tool_use", "id": call_id, "name": "Tool1", "input": {"arg": f"file_{turn}.py"}},
         ]})  # fmt: skip
         result = prose(10_000 + turn, 60)
-        messages.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": call_id, "content": result}]})
+        messages.append(
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call_id, "content": result}]}
+        )
     return bodies
 
 
@@ -159,8 +193,10 @@ def main(turns: int) -> None:
     for label, texts in (("before (whole requests)", [c["whole"] for c in calls]),
                          ("after (linear)", [c["stored"] for c in calls])):  # fmt: skip
         chars, one_file, alone = sum(map(len, texts)), parquet_bytes(texts), zstd_bytes(texts)
-        print(f"{label}: {chars / n:.0f} chars per call; zstd, all {n} calls in one Parquet file: "
-              f"{one_file / n:.0f} B per call; zstd, each call alone: {alone / n:.0f} B per call")
+        print(
+            f"{label}: {chars / n:.0f} chars per call; zstd, all {n} calls in one Parquet file: "
+            f"{one_file / n:.0f} B per call; zstd, each call alone: {alone / n:.0f} B per call"
+        )
     later = [len(c["stored"]) for c in calls[1:]]
     print(f"after, calls 2..{n}: {min(later)}..{max(later)} chars each ({whole / stored:.1f}x fewer chars overall)")
 
