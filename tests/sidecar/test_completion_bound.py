@@ -7,6 +7,8 @@ the sidecar lowers the bound to the context (and to --max-completion-tokens), so
 ``context - prompt length`` (or the cap), known from the recorded prompt ids with no extra round trip.
 """
 
+from typing import Any
+
 import httpx
 import pytest
 
@@ -14,7 +16,7 @@ from sidecar.apis import bound_completion
 from tests.sidecar.conftest import read_calls, wait_for
 
 ASKED = 128_000
-CASES = {  # api: (path, body, the field holding the bound)
+CASES: dict[str, tuple[str, dict[str, Any], str]] = {  # api: (path, body, the field holding the bound)
     "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Say hi."}]}, "max_tokens"),
     "chat-max_completion_tokens": (
         "/v1/chat/completions", {"messages": [{"role": "user", "content": "Say hi."}], "stream": True},
@@ -29,7 +31,7 @@ CASES = {  # api: (path, body, the field holding the bound)
 
 
 def test_the_bound_is_lowered_to_the_context_and_the_cap_and_anything_else_is_left_to_the_server():
-    body = {"max_tokens": ASKED}
+    body: dict[str, Any] = {"max_tokens": ASKED}
     bound = bound_completion("messages", body, cap=None, context=16384)
     assert body == {"max_tokens": 16384} and (bound.requested, bound.sent) == (ASKED, 16384)
     assert bound.served(prompt_len=1000) == 15384 and bound.served(None) == 16384
