@@ -40,13 +40,13 @@ from mitmproxy import ctx, http
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # mitmdump loads this file as a script
 
 from sidecar import __version__ as SIDECAR_VERSION
-from sidecar import apis, transparent
+from sidecar import apis, harness, transparent
 from sidecar.admin import DEFAULT_TOKEN_FILE, AdminServer, TokenFileError, create_token_file, read_token_file
 from sidecar.apis.base import Sampled
 from sidecar.apis.errors import error_body, error_headers
 from sidecar.metrics import Metrics
 from sidecar.prefix import PrefixIndex
-from sidecar.record import CallRecord, checked_row, harness_from_user_agent
+from sidecar.record import CallRecord, checked_row
 from sidecar.redact import (
     configured_secrets,
     redacted_json,
@@ -95,6 +95,7 @@ class Call:
     stream_failed: bool = False
     error: str | None = None
     bound: apis.CompletionBound | None = None  # how the completion's length was bounded
+    harness: str | None = None  # which harness made the call (sidecar.harness)
 
 
 class Forge:
@@ -382,6 +383,7 @@ class Forge:
             secrets=secrets_in_headers(flow.request.headers) + self.secrets,
             host=flow.request.host_header or flow.request.pretty_host, path=flow.request.path.split("?", 1)[0],
         )  # fmt: skip
+        call.harness = harness.detect(api, flow.request.headers, None)
         flow.metadata["forge_call"] = call
         self.in_flight[call.call_id] = (flow, call)
         self._strip_hop_secrets(flow)
@@ -399,6 +401,7 @@ class Forge:
             )
             return
         call.secrets += secrets_in_body(body)
+        call.harness = harness.detect(api, flow.request.headers, body)
         size = len(content or b"")
         # The record keeps the request as the harness sent it (redacted), not as the upstream got it.
         call.request_json = (
@@ -592,7 +595,7 @@ class Forge:
             "request_parent_call_id": request.parent_call_id, "request_prefix_chars": request.prefix_chars,
             "request_suffix_chars": request.suffix_chars, "response_json": response_json,
             "usage": json.dumps(sampled.usage) if sampled and sampled.usage else None,
-            "harness": harness_from_user_agent(user_agent),
+            "harness": call.harness,
             "user_agent": scrub_text(user_agent, call.secrets) if user_agent else None,
             "sidecar_id": self.sidecar_id, "sidecar_version": SIDECAR_VERSION,
         }  # fmt: skip

@@ -142,28 +142,6 @@ class CallRecord(TypedDict, total=False):
     sidecar_version: str
 
 
-_HARNESSES = (  # (user-agent fragment, harness), first match wins
-    ("claude-cli", "claude-code"),
-    ("claude-code", "claude-code"),
-    ("codex", "codex"),
-    ("openclaw", "openclaw"),
-    ("mini-swe-agent", "mini-swe-agent"),
-    ("litellm", "litellm"),
-    ("smolagents", "smolagents"),
-    ("openai/python", "openai-python"),
-    ("openai/js", "openai-node"),
-    ("anthropic/python", "anthropic-python"),
-    ("curl/", "curl"),
-)
-
-
-def harness_from_user_agent(user_agent: str | None) -> str | None:
-    if not user_agent:
-        return None
-    lowered = user_agent.lower()
-    return next((name for fragment, name in _HARNESSES if fragment in lowered), "other")
-
-
 def to_table(rows: list[dict[str, Any]], table: str) -> pa.Table:
     """Rows (dicts keyed by column) to an Arrow table of the named schema; missing columns are null."""
     schema = TABLES[table]
