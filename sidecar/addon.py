@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # mitmdump load
 from sidecar import __version__ as SIDECAR_VERSION
 from sidecar import apis, harness, transparent
 from sidecar.admin import DEFAULT_TOKEN_FILE, AdminServer, TokenFileError, create_token_file, read_token_file
-from sidecar.apis.base import Sampled
+from sidecar.apis.base import Sampled, Served, StreamState, WireApi
 from sidecar.apis.errors import error_body, error_headers
 from sidecar.metrics import Metrics
 from sidecar.prefix import PrefixIndex
@@ -86,9 +86,9 @@ class Call:
     request_json: str | None = None
     secrets: list[str] = field(default_factory=list)
     policy_version: str | None = None  # the server's weight version just before the call was sent
-    module: Any = None  # the wire API's module in sidecar.apis
-    added: Any = None  # its Additions
-    stream: Any = None  # its StreamState
+    module: WireApi | None = None  # the wire API's module in sidecar.apis
+    added: Served | None = None  # its Additions
+    stream: StreamState | None = None  # a streamed answer's state
     framer: EventFramer | None = None
     first_token_at: int | None = None
     recorded: bool = False
@@ -310,7 +310,7 @@ class Forge:
             return
         is_sse = "text/event-stream" in flow.response.headers.get("content-type", "")
         if call.added and call.added.stream and is_sse and not flow.response.headers.get("content-encoding"):
-            call.stream = call.module.StreamState(call.added)
+            call.stream = call.added.stream_state()
             call.framer = EventFramer()
             flow.response.stream = lambda data: self._on_stream_data(flow, call, data)
 
@@ -472,7 +472,7 @@ class Forge:
 
     def _on_stream_data(self, flow: http.HTTPFlow, call: Call, data: bytes) -> list[bytes]:
         """One piece of the upstream's SSE body in; what the harness gets now out (never held past an event)."""
-        assert call.framer is not None and call.stream is not None
+        assert call.framer is not None and call.stream is not None and call.added is not None
         if call.stream_failed:  # our code broke on this stream earlier: pass the rest on untouched
             return [] if call.added.upstream_path else [data]
         pending = call.framer.buffer + data  # what the harness has not got yet, should we fail on this piece
@@ -504,7 +504,7 @@ class Forge:
                 except Exception as again:
                     self._internal_error("stream record", again)
             if call.added.upstream_path:  # a translated stream cannot go on raw: end it with the API's error
-                return [call.module.error_event("the proxy failed while translating this stream")]
+                return [call.added.error_event("the proxy failed while translating this stream")]
             return [pending]
 
     def _finish(self, flow: http.HTTPFlow, call: Call) -> None:
@@ -518,7 +518,7 @@ class Forge:
             call.error = f"{call.error}; upstream said: {upstream}" if call.error else upstream
             self._record(flow, call, status="upstream_error")
             if call.api == "messages" and call.added is not None:  # the harness asked in Anthropic's format
-                response.content = call.module.error_body(response.status_code, text)
+                response.content = apis.messages.error_body(response.status_code, text)
             return
         if call.added is None:
             self._record(flow, call, status="error")
@@ -529,7 +529,7 @@ class Forge:
             call.error = "the upstream's answer is not JSON"
             self._record(flow, call, status="error")
             return
-        sampled, answer = call.module.finish(call.added, answer)
+        sampled, answer = call.added.finish(answer)
         call.first_token_at = int((response.timestamp_start or time.time()) * 1e6)
         text = json.dumps(answer, ensure_ascii=False, separators=(",", ":"))
         self._record(flow, call, status="ok", sampled=sampled, response_json=redacted_text(text, call.secrets))
@@ -546,8 +546,8 @@ class Forge:
             status, call.error = "upstream_error", scrub_text(sampled.upstream_error, call.secrets)
         if sampled is not None and status == "ok" and (sampled.prompt_ids is None or not sampled.completion_ids):
             status, call.error = "error", "the upstream returned no token ids"
-        if status == "ok" and getattr(call.stream, "gather_error", None):
-            status, call.error = "error", f"ids not gathered: {call.stream.gather_error}"
+        if status == "ok" and (gather_error := getattr(call.stream, "gather_error", None)):
+            status, call.error = "error", f"ids not gathered: {gather_error}"
         if sampled is not None and (problem := sampled.problem()):  # -inf/misaligned logprobs: never silent
             status, call.error = (
                 ("error", problem) if status == "ok" else (status, "; ".join(filter(None, [call.error, problem])))

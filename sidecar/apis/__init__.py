@@ -8,12 +8,13 @@ at once, so it falls back to POST).
 """
 
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Any
 
 from sidecar.apis import messages, openai, responses
+from sidecar.apis.base import WireApi
 
-RECORDED = {"chat": openai, "completions": openai, "responses": responses, "messages": messages}
+# Each module as a WireApi: mypy checks every one against the contract.
+RECORDED: dict[str, WireApi] = {"chat": openai, "completions": openai, "responses": responses, "messages": messages}
 MODEL_LIST_PATHS = ("/v1/models", "/models")
 # The request fields that bound the completion's length, per API (the first is set when none is given).
 MAX_TOKEN_FIELDS = {
@@ -43,7 +44,7 @@ def api_for(method: str, path: str) -> str | None:
     return None
 
 
-def module_for(api: str) -> ModuleType:
+def module_for(api: str) -> WireApi:
     return RECORDED[api]
 
 

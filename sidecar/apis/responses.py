@@ -56,6 +56,16 @@ class Additions:
     harness_top_logprobs: bool
     upstream_path: str | None = None
 
+    def finish(self, answer: dict[str, Any]) -> tuple[Sampled, dict[str, Any]]:
+        return finish(self, answer)
+
+    def stream_state(self) -> "StreamState":
+        return StreamState(self)
+
+    def error_event(self, message: str) -> bytes:
+        failure = {"type": "error", "code": "proxy_error", "message": message, "param": None}
+        return f"event: error\ndata: {compact(failure)}\n\n".encode()
+
 
 FUNCTIONS_NAMESPACE = "functions"
 ADDITIONAL_TOOLS = "additional_tools"
