@@ -79,7 +79,8 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         if self.path.startswith("/v1/models"):
-            self.send_json(200, {"object": "list", "data": [{"id": "fake-policy", "object": "model"}]})
+            model = {"id": "fake-policy", "object": "model", "max_model_len": 16384}  # vLLM's context, as the tests'
+            self.send_json(200, {"object": "list", "data": [model]})
         elif self.path.startswith("/weight_info"):
             self.send_json(200, {"weight_version": self.server.weight_version})  # type: ignore[attr-defined]
         else:

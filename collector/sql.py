@@ -40,6 +40,17 @@ FROM (
     FROM calls_raw GROUP BY episode_id
 ) w
 """
+# A request stored as a difference from an earlier call's (``sidecar.request_delta``) is rebuilt the same way, one
+# episode at a time, parents first, by ``whole_requests``.
+WHOLE_REQUESTS_SQL = """
+SELECT w.c.call_id AS call_id, w.c.request_json AS request_json
+FROM (
+    SELECT unnest(forge_whole_requests(list({'call_id': call_id, 'parent': request_parent_call_id,
+                  'prefix': request_prefix_chars, 'suffix': request_suffix_chars, 'text': request_json}))) AS c
+    FROM calls_raw GROUP BY episode_id
+) w
+"""
+REQUEST_DELTA_COLUMNS = ("request_parent_call_id", "request_prefix_chars", "request_suffix_chars")
 # Trainable tokens without a behaviour logprob: the record's count, or (records written before it) the NaNs.
 UNKNOWN_LOGPROBS_SQL = (
     "CASE WHEN len(completion_logprobs) = len(completion_token_ids) "
@@ -50,6 +61,8 @@ _CALL_TYPE = (
     "completion_token_ids INTEGER[])[]"
 )
 _PROMPT_TYPE = "STRUCT(call_id VARCHAR, prompt_token_ids INTEGER[])[]"
+_REQUEST_TYPE = "STRUCT(call_id VARCHAR, parent VARCHAR, prefix INTEGER, suffix INTEGER, text VARCHAR)[]"
+_WHOLE_REQUEST_TYPE = "STRUCT(call_id VARCHAR, request_json VARCHAR)[]"
 
 
 def _list_column(array: pa.Array) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -119,6 +132,39 @@ def whole_prompts(episodes: pa.Array | pa.ChunkedArray) -> pa.Array:
     return pa.ListArray.from_arrays(outer, rebuilt)
 
 
+def whole_requests(episodes: pa.Array | pa.ChunkedArray) -> pa.Array:
+    """Per episode (a list of its calls' stored requests), each call's whole request text: a stored difference is
+    applied to its parent's whole text (parents first); NULL where it cannot be rebuilt (its parent's row is not
+    in the store, or the parent's text is shorter than the parts it says they share)."""
+    if isinstance(episodes, pa.ChunkedArray):
+        episodes = episodes.combine_chunks()
+    out: list[list[dict[str, str | None]]] = []
+    for calls in episodes.to_pylist():
+        calls = calls or []
+        index = {call["call_id"]: i for i, call in enumerate(calls)}
+        children: dict[int, list[int]] = defaultdict(list)
+        stack = []
+        for i, call in enumerate(calls):
+            if call["parent"] is None:
+                stack.append(i)
+            elif call["parent"] in index:
+                children[index[call["parent"]]].append(i)
+        whole: list[str | None] = [None] * len(calls)
+        while stack:
+            i = stack.pop()
+            call = calls[i]
+            text, prefix, suffix = call["text"], call["prefix"] or 0, call["suffix"] or 0
+            if call["parent"] is not None:
+                base = whole[index[call["parent"]]]
+                if base is None or text is None or prefix + suffix > len(base):
+                    continue  # cannot be rebuilt: it and what extends it stay NULL
+                text = base[:prefix] + text + base[len(base) - suffix :]
+            whole[i] = text
+            stack.extend(children[i])
+        out.append([{"call_id": call["call_id"], "request_json": whole[i]} for i, call in enumerate(calls)])
+    return pa.array(out, type=pa.list_(pa.struct([("call_id", pa.string()), ("request_json", pa.string())])))
+
+
 def httpfs_extension() -> Path:
     try:
         import duckdb_extension_httpfs
@@ -174,21 +220,46 @@ def connect(
         "forge_whole_prompts", whole_prompts, [duckdb.sqltype(_CALL_TYPE)], duckdb.sqltype(_PROMPT_TYPE),
         type=PythonUDFType.ARROW, null_handling=FunctionNullHandling.SPECIAL, side_effects=False,
     )  # fmt: skip
-    raw_columns = {row[0] for row in con.execute("DESCRIBE calls_raw").fetchall()}
-    unknown = f"coalesce(r.n_unknown_logprobs, {UNKNOWN_LOGPROBS_SQL})"
-    columns = (
-        f"r.* EXCLUDE (prompt_suffix_ids) REPLACE ({unknown} AS n_unknown_logprobs)"
-        if "n_unknown_logprobs" in raw_columns  # files written before the column have none
-        else f"r.* EXCLUDE (prompt_suffix_ids), {UNKNOWN_LOGPROBS_SQL} AS n_unknown_logprobs"
-    )
-    con.execute(
-        f"CREATE OR REPLACE VIEW calls AS SELECT {columns}, w.prompt_token_ids "
-        f"FROM calls_raw r LEFT JOIN ({WHOLE_PROMPTS_SQL}) w USING (call_id)"
-    )
+    con.create_function(
+        "forge_whole_requests", whole_requests, [duckdb.sqltype(_REQUEST_TYPE)], duckdb.sqltype(_WHOLE_REQUEST_TYPE),
+        type=PythonUDFType.ARROW, null_handling=FunctionNullHandling.SPECIAL, side_effects=False,
+    )  # fmt: skip
+    con.execute(f"CREATE OR REPLACE VIEW calls AS {_calls_view(con)}")
     if episodes:
         idle = DEFAULT_IDLE_SECONDS if idle_seconds is None else idle_seconds
         register_episodes(con, collect(store, s3_endpoint, state_dir, idle, run=run), run)
     return con
+
+
+def _calls_view(con: duckdb.DuckDBPyConnection) -> str:
+    """The ``calls`` view over ``calls_raw``: whole prompts and whole requests rebuilt; a column older files lack is
+    there as NULL (files written before it was added)."""
+    raw_columns = {row[0] for row in con.execute("DESCRIBE calls_raw").fetchall()}
+    unknown = f"coalesce(r.n_unknown_logprobs, {UNKNOWN_LOGPROBS_SQL})"
+    replace, extra, joins = [], [], [f"LEFT JOIN ({WHOLE_PROMPTS_SQL}) w USING (call_id)"]
+    if "n_unknown_logprobs" in raw_columns:
+        replace.append(f"{unknown} AS n_unknown_logprobs")
+    else:  # files written before the column have none
+        extra.append(f"{UNKNOWN_LOGPROBS_SQL} AS n_unknown_logprobs")
+    if all(c in raw_columns for c in REQUEST_DELTA_COLUMNS):
+        replace.append("q.request_json AS request_json")
+        joins.append(f"LEFT JOIN ({WHOLE_REQUESTS_SQL}) q USING (call_id)")
+    for field in TABLES["calls"]:
+        if field.name not in raw_columns and field.name not in ("n_unknown_logprobs", "schema_version"):
+            extra.append(f"CAST(NULL AS {_sql_type(field.type)}) AS {field.name}")
+    columns = "r.* EXCLUDE (prompt_suffix_ids)" + (f" REPLACE ({', '.join(replace)})" if replace else "")
+    columns = ", ".join([columns, *extra, "w.prompt_token_ids"])
+    return f"SELECT {columns} FROM calls_raw r {' '.join(joins)}"
+
+
+def _sql_type(kind: pa.DataType) -> str:
+    if pa.types.is_integer(kind):
+        return {8: "TINYINT", 16: "SMALLINT", 32: "INTEGER", 64: "BIGINT"}[kind.bit_width]
+    if pa.types.is_list(kind):
+        return f"{_sql_type(kind.value_type)}[]"
+    if pa.types.is_timestamp(kind):
+        return "TIMESTAMPTZ"
+    return {pa.bool_(): "BOOLEAN", pa.float32(): "FLOAT", pa.float64(): "DOUBLE"}.get(kind, "VARCHAR")
 
 
 def register_episodes(con: duckdb.DuckDBPyConnection, collection: Collection, run: str | None = None) -> None:

@@ -40,13 +40,13 @@ from mitmproxy import ctx, http
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # mitmdump loads this file as a script
 
 from sidecar import __version__ as SIDECAR_VERSION
-from sidecar import apis, transparent
+from sidecar import apis, harness, transparent
 from sidecar.admin import DEFAULT_TOKEN_FILE, AdminServer, TokenFileError, create_token_file, read_token_file
-from sidecar.apis.base import Sampled
+from sidecar.apis.base import Sampled, Served, StreamState, WireApi
 from sidecar.apis.errors import error_body, error_headers
 from sidecar.metrics import Metrics
 from sidecar.prefix import PrefixIndex
-from sidecar.record import CallRecord, checked_row, harness_from_user_agent
+from sidecar.record import CallRecord, checked_row
 from sidecar.redact import (
     configured_secrets,
     redacted_json,
@@ -55,6 +55,7 @@ from sidecar.redact import (
     secrets_in_body,
     secrets_in_headers,
 )
+from sidecar.request_delta import RequestDelta, RequestIndex
 from sidecar.sse import EventFramer
 from sidecar.store import open_store
 from sidecar.version import VersionClock
@@ -94,26 +95,30 @@ class Call:
     request_json: str | None = None
     secrets: list[str] = field(default_factory=list)
     policy_version: str | None = None  # the server's weight version just before the call was sent
-    module: Any = None  # the wire API's module in sidecar.apis
-    added: Any = None  # its Additions
-    stream: Any = None  # its StreamState
+    module: WireApi | None = None  # the wire API's module in sidecar.apis
+    added: Served | None = None  # its Additions
+    stream: StreamState | None = None  # a streamed answer's state
     framer: EventFramer | None = None
     first_token_at: int | None = None
     recorded: bool = False
     stream_failed: bool = False
     error: str | None = None
+    bound: apis.CompletionBound | None = None  # how the completion's length was bounded
+    harness: str | None = None  # which harness made the call (sidecar.harness)
 
 
 class Forge:
     def __init__(self) -> None:
         self.metrics = Metrics()
         self.prefixes = PrefixIndex()
+        self.requests = RequestIndex()
         self.in_flight: dict[str, tuple[http.HTTPFlow, Call]] = {}  # calls begun, not yet recorded
         self.versions: VersionClock | None = None  # asks the server's weight version around each call
         self.writer: RecordWriter | None = None
         self.admin: AdminServer | None = None
         self.policy_version: str | None = None  # fixed by --policy-version; else asked per call
         self.policy_model: str | None = None
+        self.policy_context: int | None = None  # the policy server's max_model_len, asked once (GET /v1/models)
         self.model_hosts: set[str] = set()
         self.model_map: list[tuple[str, str]] = []
         self.upstream = urlparse("http://127.0.0.1:8000")
@@ -223,14 +228,30 @@ class Forge:
         if self.versions:
             self.versions.stop()
 
+    def _ask_models(self) -> None:
+        """The served model's name (unless given) and context, from the policy server's model list."""
+        base = f"{self.upstream.scheme}://{self.upstream.netloc}"
+        with urllib.request.urlopen(f"{base}/v1/models", timeout=2) as answer:
+            listed = json.load(answer)["data"]
+        if not ctx.options.forge_policy_model:
+            self.policy_model = listed[0]["id"]
+        served = next((m for m in listed if m.get("id") == self.policy_model), listed[0])
+        context = served.get("max_model_len")
+        if isinstance(context, int) and not isinstance(context, bool) and context > 0:
+            self.policy_context = context
+
+    async def _learn_context(self) -> None:
+        try:
+            await asyncio.to_thread(self._ask_models)
+        except Exception as error:  # the call goes on bounded by --max-completion-tokens only; the poller retries
+            log.warning("the policy server's context is not known yet (%s)", type(error).__name__)
+
     def _watch_policy(self) -> None:
         """Keep the served model name current, and whether the policy server is up (the version is per call)."""
-        base = f"{self.upstream.scheme}://{self.upstream.netloc}"
         while not self.stop.is_set():
             try:
-                if not ctx.options.forge_policy_model:
-                    with urllib.request.urlopen(f"{base}/v1/models", timeout=2) as answer:
-                        self.policy_model = json.load(answer)["data"][0]["id"]
+                if not ctx.options.forge_policy_model or self.policy_context is None:
+                    self._ask_models()
                 self.metrics.set("upstream_up", 1)
             except Exception:
                 self.metrics.set("upstream_up", 0)
@@ -276,6 +297,8 @@ class Forge:
             return
         try:
             if api in apis.RECORDED:
+                if self.policy_context is None:  # a call before the first poll: its bound needs the context
+                    await self._learn_context()
                 self._begin(flow, api)
                 call: Call = flow.metadata["forge_call"]
                 call.policy_version = self.policy_version or (await self.versions.before() if self.versions else None)
@@ -296,7 +319,7 @@ class Forge:
             return
         is_sse = "text/event-stream" in flow.response.headers.get("content-type", "")
         if call.added and call.added.stream and is_sse and not flow.response.headers.get("content-encoding"):
-            call.stream = call.module.StreamState(call.added)
+            call.stream = call.added.stream_state()
             call.framer = EventFramer()
             flow.response.stream = lambda data: self._on_stream_data(flow, call, data)
 
@@ -369,6 +392,7 @@ class Forge:
             secrets=secrets_in_headers(flow.request.headers) + self.secrets,
             host=flow.request.host_header or flow.request.pretty_host, path=flow.request.path.split("?", 1)[0],
         )  # fmt: skip
+        call.harness = harness.detect(api, flow.request.headers, None)
         flow.metadata["forge_call"] = call
         self.in_flight[call.call_id] = (flow, call)
         self._strip_hop_secrets(flow)
@@ -386,6 +410,7 @@ class Forge:
             )
             return
         call.secrets += secrets_in_body(body)
+        call.harness = harness.detect(api, flow.request.headers, body)
         size = len(content or b"")
         # The record keeps the request as the harness sent it (redacted), not as the upstream got it.
         call.request_json = (
@@ -398,8 +423,7 @@ class Forge:
         served = self._served_model(call.model_requested)
         if served:
             body["model"] = served
-        if cap := ctx.options.forge_max_completion_tokens:
-            apis.cap_completion_tokens(api, body, cap)
+        call.bound = apis.bound_completion(api, body, ctx.options.forge_max_completion_tokens, self.policy_context)
         call.module = apis.module_for(api)
         try:
             call.added = call.module.prepare_request(api, body)
@@ -457,7 +481,7 @@ class Forge:
 
     def _on_stream_data(self, flow: http.HTTPFlow, call: Call, data: bytes) -> list[bytes]:
         """One piece of the upstream's SSE body in; what the harness gets now out (never held past an event)."""
-        assert call.framer is not None and call.stream is not None
+        assert call.framer is not None and call.stream is not None and call.added is not None
         if call.stream_failed:  # our code broke on this stream earlier: pass the rest on untouched
             return [] if call.added.upstream_path else [data]
         pending = call.framer.buffer + data  # what the harness has not got yet, should we fail on this piece
@@ -489,7 +513,7 @@ class Forge:
                 except Exception as again:
                     self._internal_error("stream record", again)
             if call.added.upstream_path:  # a translated stream cannot go on raw: end it with the API's error
-                return [call.module.error_event("the proxy failed while translating this stream")]
+                return [call.added.error_event("the proxy failed while translating this stream")]
             return [pending]
 
     def _finish(self, flow: http.HTTPFlow, call: Call) -> None:
@@ -503,7 +527,7 @@ class Forge:
             call.error = f"{call.error}; upstream said: {upstream}" if call.error else upstream
             self._record(flow, call, status="upstream_error")
             if call.api == "messages" and call.added is not None:  # the harness asked in Anthropic's format
-                response.content = call.module.error_body(response.status_code, text)
+                response.content = apis.messages.error_body(response.status_code, text)
             return
         if call.added is None:
             self._record(flow, call, status="error")
@@ -514,7 +538,7 @@ class Forge:
             call.error = "the upstream's answer is not JSON"
             self._record(flow, call, status="error")
             return
-        sampled, answer = call.module.finish(call.added, answer)
+        sampled, answer = call.added.finish(answer)
         call.first_token_at = int((response.timestamp_start or time.time()) * 1e6)
         text = json.dumps(answer, ensure_ascii=False, separators=(",", ":"))
         self._record(flow, call, status="ok", sampled=sampled, response_json=redacted_text(text, call.secrets))
@@ -531,8 +555,8 @@ class Forge:
             status, call.error = "upstream_error", scrub_text(sampled.upstream_error, call.secrets)
         if sampled is not None and status == "ok" and (sampled.prompt_ids is None or not sampled.completion_ids):
             status, call.error = "error", "the upstream returned no token ids"
-        if status == "ok" and getattr(call.stream, "gather_error", None):
-            status, call.error = "error", f"ids not gathered: {call.stream.gather_error}"
+        if status == "ok" and (gather_error := getattr(call.stream, "gather_error", None)):
+            status, call.error = "error", f"ids not gathered: {gather_error}"
         if sampled is not None and (problem := sampled.problem()):  # -inf/misaligned logprobs: never silent
             status, call.error = (
                 ("error", problem) if status == "ok" else (status, "; ".join(filter(None, [call.error, problem])))
@@ -549,6 +573,11 @@ class Forge:
         if response_json is None and call.stream is not None:
             response_json = redacted_json(call.stream.summary(), call.secrets)
         user_agent = flow.request.headers.get("user-agent")
+        request = (
+            self.requests.split(call.episode_id, call.request_json)
+            if call.request_json is not None
+            else RequestDelta(None, 0, 0, "")
+        )
         row: CallRecord = {
             "call_id": call.call_id, "episode_id": call.episode_id, "task_id": call.task_id, "run_id": call.run_id,
             "seq": call.seq, "api": call.api, "stream": bool(call.added and call.added.stream),
@@ -561,15 +590,21 @@ class Forge:
             "http_status": flow.response.status_code if flow.response else None,
             "finish_reason": sampled.finish_reason if sampled else None, "error": call.error,
             "note": sampled.note if sampled else None,
+            "max_tokens_requested": call.bound.requested if call.bound else None,
+            "max_tokens_served": call.bound.served(len(prompt) // 4 if prompt is not None else None)
+            if call.bound
+            else None,
             "parent_call_id": parent, "prefix_len": prefix_len,
             "prompt_suffix_ids": prompt[prefix_len * 4 :] if prompt is not None else None,
             "prompt_len": len(prompt) // 4 if prompt is not None else None,
             "completion_token_ids": completion,
             "completion_logprobs": pack_floats(sampled.logprobs) if sampled else None,
             "n_unknown_logprobs": sum(1 for v in sampled.logprobs if v != v) if sampled else None,  # NaN != NaN
-            "request_json": call.request_json, "response_json": response_json,
+            "request_json": request.middle if call.request_json is not None else None,
+            "request_parent_call_id": request.parent_call_id, "request_prefix_chars": request.prefix_chars,
+            "request_suffix_chars": request.suffix_chars, "response_json": response_json,
             "usage": json.dumps(sampled.usage) if sampled and sampled.usage else None,
-            "harness": harness_from_user_agent(user_agent),
+            "harness": call.harness,
             "user_agent": scrub_text(user_agent, call.secrets) if user_agent else None,
             "sidecar_id": self.sidecar_id, "sidecar_version": SIDECAR_VERSION,
         }  # fmt: skip
@@ -578,6 +613,8 @@ class Forge:
         probe = call.policy_version is not None and self.versions is not None
         row_id = self.writer.append("calls", checked_row("calls", row), hold=probe)
         if row_id is not None:
+            if call.request_json is not None:
+                self.requests.remember(call.episode_id, call.call_id, call.request_json)
             self.metrics.inc(f'calls_total{{status="{status}"}}')
             if probe and self.versions:
                 self.versions.after(row_id)

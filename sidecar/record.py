@@ -49,6 +49,11 @@ CALL_SCHEMA = pa.schema(
         pa.field("finish_reason", pa.string()),
         pa.field("error", pa.string()),
         pa.field("note", pa.string()),  # a fact about the ids that is not an error (e.g. logprobs not given)
+        # The completion's bound: what the harness asked (null: none) and what the call was served with (the
+        # harness's, lowered to the policy server's context minus the prompt and to --max-completion-tokens).
+        # Lowered when max_tokens_served < max_tokens_requested: the harness is never refused for its bound.
+        pa.field("max_tokens_requested", pa.int32()),
+        pa.field("max_tokens_served", pa.int32()),
         pa.field("parent_call_id", pa.string()),
         pa.field("prefix_len", pa.int32()),
         pa.field("prompt_suffix_ids", pa.list_(pa.int32())),
@@ -57,7 +62,13 @@ CALL_SCHEMA = pa.schema(
         pa.field("completion_logprobs", pa.list_(pa.float32())),
         # Completion ids whose logprob the upstream did not give (NaN in completion_logprobs): counted, never hidden.
         pa.field("n_unknown_logprobs", pa.int32()),
+        # The request as the harness sent it (redacted). Stored linearly: with ``request_parent_call_id`` set, this
+        # holds only the part between the first ``request_prefix_chars`` and the last ``request_suffix_chars``
+        # characters it shares with that call's request (``sidecar.request_delta``); the ``calls`` view rebuilds it.
         pa.field("request_json", pa.string()),
+        pa.field("request_parent_call_id", pa.string()),
+        pa.field("request_prefix_chars", pa.int32()),
+        pa.field("request_suffix_chars", pa.int32()),
         pa.field("response_json", pa.string()),
         pa.field("usage", pa.string()),
         pa.field("harness", pa.string()),
@@ -110,6 +121,8 @@ class CallRecord(TypedDict, total=False):
     finish_reason: str | None
     error: str | None
     note: str | None
+    max_tokens_requested: int | None
+    max_tokens_served: int | None
     parent_call_id: str | None
     prefix_len: int
     prompt_suffix_ids: bytes | None
@@ -118,34 +131,15 @@ class CallRecord(TypedDict, total=False):
     completion_logprobs: bytes | None
     n_unknown_logprobs: int | None
     request_json: str | None
+    request_parent_call_id: str | None
+    request_prefix_chars: int
+    request_suffix_chars: int
     response_json: str | None
     usage: str | None
     harness: str | None
     user_agent: str | None
     sidecar_id: str
     sidecar_version: str
-
-
-_HARNESSES = (  # (user-agent fragment, harness), first match wins
-    ("claude-cli", "claude-code"),
-    ("claude-code", "claude-code"),
-    ("codex", "codex"),
-    ("openclaw", "openclaw"),
-    ("mini-swe-agent", "mini-swe-agent"),
-    ("litellm", "litellm"),
-    ("smolagents", "smolagents"),
-    ("openai/python", "openai-python"),
-    ("openai/js", "openai-node"),
-    ("anthropic/python", "anthropic-python"),
-    ("curl/", "curl"),
-)
-
-
-def harness_from_user_agent(user_agent: str | None) -> str | None:
-    if not user_agent:
-        return None
-    lowered = user_agent.lower()
-    return next((name for fragment, name in _HARNESSES if fragment in lowered), "other")
 
 
 def to_table(rows: list[dict[str, Any]], table: str) -> pa.Table:

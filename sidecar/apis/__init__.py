@@ -7,17 +7,22 @@ Answered by the sidecar itself: ``responses_socket`` (Codex's WebSocket upgrade 
 at once, so it falls back to POST).
 """
 
-from types import ModuleType
+from dataclasses import dataclass
+from typing import Any
 
 from sidecar.apis import messages, openai, responses
+from sidecar.apis.base import WireApi
 
-RECORDED = {"chat": openai, "completions": openai, "responses": responses, "messages": messages}
+# Each module as a WireApi: mypy checks every one against the contract.
+RECORDED: dict[str, WireApi] = {"chat": openai, "completions": openai, "responses": responses, "messages": messages}
 MODEL_LIST_PATHS = ("/v1/models", "/models")
 # The request fields that bound the completion's length, per API (the first is set when none is given).
 MAX_TOKEN_FIELDS = {
     "chat": ("max_tokens", "max_completion_tokens"), "completions": ("max_tokens",),
     "responses": ("max_output_tokens",), "messages": ("max_tokens",),
 }  # fmt: skip
+# Where a request sets several, the one the server obeys comes first (vLLM's chat: max_completion_tokens).
+EFFECTIVE_ORDER = {"chat": ("max_completion_tokens", "max_tokens")}
 
 
 def api_for(method: str, path: str) -> str | None:
@@ -39,18 +44,54 @@ def api_for(method: str, path: str) -> str | None:
     return None
 
 
-def module_for(api: str) -> ModuleType:
+def module_for(api: str) -> WireApi:
     return RECORDED[api]
 
 
-def cap_completion_tokens(api: str, body: dict, cap: int) -> bool:
-    """Bound the completion to ``cap`` tokens (a rollout's response length); True if the request changed."""
+@dataclass
+class CompletionBound:
+    """How a call's completion length was bounded: what the harness asked, and what the policy server was sent.
+
+    vLLM (0.32, ``get_max_tokens``) serves ``min(max_tokens, context - prompt)`` for any ``max_tokens`` up to its
+    context (``max_model_len``), and refuses anything above it. So a request is never refused for its bound once the
+    bound is at most the context: the sidecar lowers it there (and to ``--max-completion-tokens``), with no extra
+    round trip and no tokenizing; the bound the call was served with is ``served(prompt_len)``, exact once the
+    prompt's ids are known.
+    """
+
+    requested: int | None  # the harness's own bound (the field the server obeys); None: it set none
+    sent: int | None  # the bound the policy server was sent; None: none (the server's default, context - prompt)
+    context: int | None  # the policy server's context (max_model_len); None: not known
+
+    def served(self, prompt_len: int | None) -> int | None:
+        """The bound the call was served with: the one sent, and the room the prompt left in the context."""
+        room = self.context - prompt_len if self.context is not None and prompt_len is not None else None
+        bounds = [b for b in (self.sent, room) if b is not None]
+        return min(bounds) if bounds else None
+
+
+def _bound(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _effective(api: str, body: dict[str, Any]) -> int | None:
+    """The bound the server obeys: the first integer field in its order of precedence."""
+    values = (_bound(body.get(name)) for name in EFFECTIVE_ORDER.get(api, MAX_TOKEN_FIELDS[api]))
+    return next((value for value in values if value is not None), None)
+
+
+def bound_completion(api: str, body: dict[str, Any], cap: int | None, context: int | None) -> CompletionBound:
+    """Lower (in place) each completion-length field above what the policy can serve: the server's context and the
+    rollout's ``cap`` (``--max-completion-tokens``). A field that is not an integer, or not positive, is left for
+    the server to judge; with a cap and no field, the first field is set to the cap."""
     fields = MAX_TOKEN_FIELDS[api]
-    changed = False
-    for name in fields:
-        value = body.get(name)
-        if isinstance(value, int) and value > cap:
-            body[name], changed = cap, True
-    if not any(isinstance(body.get(name), int) for name in fields):
-        body[fields[0]], changed = cap, True
-    return changed
+    requested = _effective(api, body)
+    limit = min((b for b in (cap, context) if b), default=None)
+    if limit is not None:
+        for name in fields:
+            value = _bound(body.get(name))
+            if value is not None and value > limit:
+                body[name] = limit
+        if requested is None and cap:
+            body[fields[0]] = limit
+    return CompletionBound(requested=requested, sent=_effective(api, body), context=context)

@@ -1,20 +1,23 @@
 """What every wire API module gives the addon: the token-level view of an answer, and how it is gathered.
 
-Each module (``openai`` for Chat Completions and Completions, ``responses``, ``messages``) has the same surface:
+The contract is ``WireApi`` (a ``typing.Protocol``; ``apis.RECORDED`` holds each module as one, so mypy checks
+every module against it). Each module (``openai`` for Chat Completions and Completions, ``responses``,
+``messages``) has the same surface:
 
-- ``prepare_request(api, body) -> Additions``: change the upstream request in place so vLLM returns the sampled ids
-  and logprobs; the ``Additions`` say what was added (to take exactly that out again) and, where the call is
-  served through another endpoint, which path (``upstream_path``).
-- ``finish(added, answer) -> (Sampled, answer)``: a whole answer in; its ids out, and the answer the harness gets.
-- ``StreamState(added)`` (most are a ``DataStream``): ``feed_event(raw)`` takes one complete SSE event and returns
-  the events to send on now; ``done`` is set when the answer is complete (the record is written before that
-  event goes on); ``sampled``.
+- ``prepare_request(api, body) -> Served``: change the upstream request in place so vLLM returns the sampled ids
+  and logprobs; its ``Additions`` (a ``Served``) say what was added (to take exactly that out again) and, where
+  the call is served through another endpoint, which path (``upstream_path``). They carry the rest:
+- ``added.finish(answer) -> (Sampled, answer)``: a whole answer in; its ids out, and the answer the harness gets.
+- ``added.stream_state()`` (a ``StreamState``; most are a ``DataStream``): ``feed_event(raw)`` takes one complete
+  SSE event and returns the events to send on now; ``done`` is set when the answer is complete (the record is
+  written before that event goes on); ``sampled``.
+- ``added.error_event(message)``: the end of a stream in the API's own terms, when it cannot go on.
 """
 
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from sidecar.sse import rewrite_event
 
@@ -76,6 +79,39 @@ def clear(obj: dict[str, Any], key: str, value: Any = None) -> bool:
         obj[key] = value
         return True
     return False
+
+
+class StreamState(Protocol):
+    """One streamed answer being passed on: what the addon reads of it."""
+
+    @property
+    def done(self) -> bool: ...
+    @property
+    def sampled(self) -> Sampled: ...
+    @property
+    def events(self) -> int: ...
+    def feed_event(self, raw: bytes) -> list[bytes]: ...
+    def summary(self) -> dict[str, Any]: ...
+
+
+class Served(Protocol):
+    """What a wire API added to one request (its ``Additions``), and how the answer is taken back."""
+
+    @property
+    def api(self) -> str: ...
+    @property
+    def stream(self) -> bool: ...
+    @property
+    def upstream_path(self) -> str | None: ...
+    def finish(self, answer: dict[str, Any]) -> tuple[Sampled, dict[str, Any]]: ...
+    def stream_state(self) -> StreamState: ...
+    def error_event(self, message: str) -> bytes: ...
+
+
+class WireApi(Protocol):
+    """A wire API module (``sidecar.apis.openai``, ``responses``, ``messages``)."""
+
+    def prepare_request(self, api: str, body: dict[str, Any]) -> Served: ...
 
 
 class DataStream:

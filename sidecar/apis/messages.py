@@ -36,6 +36,15 @@ class Additions:
     stop_sequences: list[str]
     upstream_path: str | None = CHAT_PATH
 
+    def finish(self, answer: dict[str, Any]) -> tuple[Sampled, dict[str, Any]]:
+        return finish(self, answer)
+
+    def stream_state(self) -> "StreamState":
+        return StreamState(self)
+
+    def error_event(self, message: str) -> bytes:
+        return error_event(message)
+
 
 class TranslationError(ValueError):
     """A Messages request that cannot be expressed as a chat request (the call goes to vLLM's /v1/messages)."""

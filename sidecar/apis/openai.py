@@ -35,6 +35,18 @@ class Additions:
     harness_usage: bool  # streaming: the harness asked for the usage chunk
     upstream_path: str | None = None  # served as it came
 
+    def finish(self, answer: dict[str, Any]) -> tuple[Sampled, dict[str, Any]]:
+        return finish(self, answer)
+
+    def stream_state(self) -> "StreamState":
+        return StreamState(self)
+
+    def error_event(self, message: str) -> bytes:
+        """vLLM's own way to end a stream that failed."""
+        return (
+            f"data: {compact({'error': {'message': message, 'type': 'InternalServerError', 'code': 500}})}\n\n".encode()
+        )
+
 
 def prepare_request(api: str, body: dict[str, Any]) -> Additions:
     """Add what token-exact recording needs to ``body`` (in place)."""

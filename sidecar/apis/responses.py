@@ -19,6 +19,19 @@ middle, more logprobs than ids, text that does not match) make the call an error
 ``response.failed`` and ``error`` events are the upstream's failure: recorded as such, never ``ok``.
 What the harness gets is what vLLM writes when not asked: message lists null, delta logprobs ``[]``, the
 logprobs of finished text parts null, ``top_logprobs`` null.
+
+Requests are normalised to what vLLM serves (``normalise_request``), the same way on every call so that a
+conversation's prompts extend each other. Codex's default model sends its tools as an ``additional_tools`` input
+item (a developer-role item holding namespaces of tools) beside an empty ``tools``; vLLM refuses that item. So:
+- the tools of ``additional_tools`` items join ``tools`` (first definition of a name wins) and the items leave
+  ``input``;
+- the ``functions`` namespace is the plain tools' own: its tools join ``tools`` directly (the model sees ``exec``,
+  not ``functions__exec``); other namespaces stay (vLLM shows their function tools as ``<namespace>__<name>`` and
+  answers a call with its ``namespace``), but a ``custom`` tool inside one is lifted out, as vLLM shows only
+  function tools of a namespace;
+- a ``custom`` tool's ``grammar`` format is dropped: vLLM serves free-form custom tools only (as a function with
+  one string argument, its call given back to the harness as a ``custom_tool_call``, streamed and not); the
+  policy is then not held to the grammar, and the harness checks the input as it does any model's.
 """
 
 import json
@@ -43,8 +56,72 @@ class Additions:
     harness_top_logprobs: bool
     upstream_path: str | None = None
 
+    def finish(self, answer: dict[str, Any]) -> tuple[Sampled, dict[str, Any]]:
+        return finish(self, answer)
+
+    def stream_state(self) -> "StreamState":
+        return StreamState(self)
+
+    def error_event(self, message: str) -> bytes:
+        failure = {"type": "error", "code": "proxy_error", "message": message, "param": None}
+        return f"event: error\ndata: {compact(failure)}\n\n".encode()
+
+
+FUNCTIONS_NAMESPACE = "functions"
+ADDITIONAL_TOOLS = "additional_tools"
+
+
+def _served_tool(tool: Any) -> Any:
+    """A custom tool without its grammar (vLLM serves free-form ones only); any other tool as it is."""
+    if not (isinstance(tool, dict) and tool.get("type") == "custom" and isinstance(tool.get("format"), dict)):
+        return tool
+    return {k: v for k, v in tool.items() if k != "format"} if tool["format"].get("type") == "grammar" else tool
+
+
+def _flat_tools(tools: list[Any]) -> list[Any]:
+    """Tools as vLLM serves them: the ``functions`` namespace opened, custom tools out of other namespaces."""
+    out: list[Any] = []
+    for tool in tools:
+        if not (isinstance(tool, dict) and tool.get("type") == "namespace" and isinstance(tool.get("tools"), list)):
+            out.append(_served_tool(tool))
+        elif tool.get("name") == FUNCTIONS_NAMESPACE:
+            out += [_served_tool(inner) for inner in tool["tools"]]
+        else:
+            inner = [t for t in tool["tools"] if not (isinstance(t, dict) and t.get("type") == "custom")]
+            out += [_served_tool(t) for t in tool["tools"] if isinstance(t, dict) and t.get("type") == "custom"]
+            if inner:
+                out.append({**tool, "tools": inner})
+    return out
+
+
+def _tool_key(tool: Any) -> tuple[Any, ...]:
+    if isinstance(tool, dict):
+        return (tool.get("type"), tool.get("name"))
+    return (id(tool),)
+
+
+def normalise_request(body: dict[str, Any]) -> None:
+    """Rewrite (in place) what vLLM does not serve as it came (see the module's docstring)."""
+    items = body.get("input")
+    extra: list[Any] = []
+    items = items if isinstance(items, list) else []
+    holders = [i for i in items if isinstance(i, dict) and i.get("type") == ADDITIONAL_TOOLS]
+    if holders:
+        extra = [tool for item in holders if isinstance(item.get("tools"), list) for tool in item["tools"]]
+        body["input"] = [i for i in items if not (isinstance(i, dict) and i.get("type") == ADDITIONAL_TOOLS)]
+    tools = body.get("tools")
+    if not extra and not isinstance(tools, list):
+        return
+    flat, seen = [], set()
+    for tool in _flat_tools((tools if isinstance(tools, list) else []) + extra):
+        if (key := _tool_key(tool)) not in seen:
+            seen.add(key)
+            flat.append(tool)
+    body["tools"] = flat
+
 
 def prepare_request(api: str, body: dict[str, Any]) -> Additions:
+    normalise_request(body)
     include = body.get("include") or []
     added = Additions(
         api=api,
@@ -235,7 +312,14 @@ class StreamState(DataStream):
         calls = [item for item in self.items if item.get("type") == "function_call"]
         if calls:
             out["function_calls"] = [
-                {"call_id": c.get("call_id"), "name": c.get("name"), "arguments": c.get("arguments")} for c in calls
+                {"call_id": c.get("call_id"), "name": c.get("name"), "arguments": c.get("arguments"),
+                 **({"namespace": c["namespace"]} if c.get("namespace") else {})}
+                for c in calls
+            ]  # fmt: skip
+        custom = [item for item in self.items if item.get("type") == "custom_tool_call"]
+        if custom:
+            out["custom_tool_calls"] = [
+                {"call_id": c.get("call_id"), "name": c.get("name"), "input": c.get("input")} for c in custom
             ]
         if not self.done:
             out["logprobs_seen"] = len(self.logprobs)

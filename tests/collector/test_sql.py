@@ -1,6 +1,8 @@
 """The ``calls`` view: whole prompts rebuilt from (parent_call_id, prefix_len, prompt_suffix_ids) in one pass per
 episode, equal to the assembler's sequences and to the prompts the harness sent; unknown logprobs counted."""
 
+import json
+
 import pyarrow.parquet as pq
 
 from bench.collector_generate import SyntheticEpisode, write_calls
@@ -95,3 +97,50 @@ def test_unknown_logprobs_are_the_records_count_or_counted_in_records_written_be
     (only_legacy / "calls").mkdir(parents=True)
     pq.write_table(table, only_legacy / "calls" / "legacy-calls-0.parquet")
     assert connect(str(only_legacy)).execute("SELECT n_unknown_logprobs FROM calls").fetchall() == [(2,)]
+
+
+def test_requests_stored_as_differences_are_rebuilt_exactly_parents_first_and_a_missing_parent_gives_null(tmp_path):
+    from sidecar.request_delta import RequestIndex
+
+    index = RequestIndex(min_shared=8)
+    episode = SyntheticEpisode("ep")
+    sent, rows = [], []
+    messages = ["ünïcode 😀 start", "a \\ud800 escape"]
+    for turn in range(6):
+        messages.append(f"turn {turn} " + "x" * turn)
+        text = json.dumps({"messages": messages, "billing": f"cch={turn}", "tools": ["t"] * 5}, ensure_ascii=False)
+        row = episode.call([*SYSTEM, turn], [turn])
+        delta = index.split("ep", text)
+        row.update(request_json=delta.middle, request_parent_call_id=delta.parent_call_id,
+                   request_prefix_chars=delta.prefix_chars, request_suffix_chars=delta.suffix_chars)  # fmt: skip
+        index.remember("ep", row["call_id"], text)
+        sent.append(text)
+        rows.append(row)
+    assert all(r["request_parent_call_id"] for r in rows[1:]) and len(rows[-1]["request_json"]) < len(sent[-1]) / 2
+    store = tmp_path / "store"
+    write_calls(str(store), rows[::-1])  # children before their parents
+    rebuilt = dict(connect(str(store)).execute("SELECT call_id, request_json FROM calls").fetchall())
+    assert [rebuilt[r["call_id"]] for r in rows] == sent
+    # The first call's row never reached the store: what extends it cannot be rebuilt, and says so with NULL.
+    lost = tmp_path / "lost"
+    write_calls(str(lost), rows[1:])
+    assert set(dict(connect(str(lost)).execute("SELECT call_id, request_json FROM calls").fetchall()).values()) == {
+        None
+    }
+
+
+def test_files_written_before_the_new_columns_read_with_whole_requests_and_null_bounds(tmp_path):
+    legacy = SyntheticEpisode("legacy")
+    row = legacy.call(SYSTEM, [1, 2])
+    row["request_json"] = '{"messages":[]}'
+    new_columns = ["request_parent_call_id", "request_prefix_chars", "request_suffix_chars",
+                   "max_tokens_requested", "max_tokens_served"]  # fmt: skip
+    table = to_table(legacy.rows, "calls").drop_columns(new_columns)
+    (tmp_path / "calls").mkdir()
+    pq.write_table(table, tmp_path / "calls" / "legacy-calls-0.parquet")
+    got = (
+        connect(str(tmp_path))
+        .execute("SELECT request_json, max_tokens_requested, max_tokens_served, request_parent_call_id FROM calls")
+        .fetchall()
+    )
+    assert got == [('{"messages":[]}', None, None, None)]

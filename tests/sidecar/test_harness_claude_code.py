@@ -1,5 +1,6 @@
 """A real harness end to end: Claude Code (npm @anthropic-ai/claude-code, pinned by scripts/harness.sh) runs one
-task in print mode through the real sidecar against the real vLLM, speaking Anthropic Messages with streaming.
+task in print mode, with its defaults (its own model, max_tokens 128000), through the real sidecar against the real
+vLLM, speaking Anthropic Messages with streaming.
 
 Its calls are served through Chat Completions with ids and recorded token-exact: the prompt ids are vLLM's own
 rendering of the recorded request (``/v1/messages/render``), the completion ids pass the teacher-forcing check,
@@ -44,10 +45,9 @@ def test_claude_code_runs_a_task_through_the_sidecar_and_every_call_is_exact(
         "PATH": os.environ["PATH"], "HOME": str(tmp_path), "TMPDIR": str(tmp_path), "NO_COLOR": "1",
         "ANTHROPIC_BASE_URL": sidecar.url, "ANTHROPIC_API_KEY": "sk-ant-test-not-a-real-key",
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1", "IS_SANDBOX": "1",
-        "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(MAX_COMPLETION_TOKENS),
     }  # fmt: skip
     run = subprocess.run(
-        [claude, "-p", "What does notes.txt say?", "--model", "claude-sonnet-4-5", "--max-turns", "2",
+        [claude, "-p", "What does notes.txt say?", "--max-turns", "2",
          "--dangerously-skip-permissions"],
         cwd=work, env=env, capture_output=True, text=True, timeout=CLAUDE_TIMEOUT_S, stdin=subprocess.DEVNULL,
     )  # fmt: skip
@@ -69,6 +69,12 @@ def test_claude_code_runs_a_task_through_the_sidecar_and_every_call_is_exact(
         assert rendered.status_code == 200, rendered.text
         assert call["prompt_token_ids"] == rendered.json()["token_ids"]
         assert 0 < len(call["completion_token_ids"]) <= MAX_COMPLETION_TOKENS
+        # Its default bound (128000, past the server's context) was lowered to the rollout's, and the record says so.
+        assert request["max_tokens"] > policy_server.max_model_len == 16384
+        assert (call["max_tokens_requested"], call["max_tokens_served"]) == (
+            request["max_tokens"],
+            MAX_COMPLETION_TOKENS,
+        )
         received = json.loads(call["response_json"])
         if received.get("content") and not received.get("tool_calls"):
             decoded = tokenizer.decode(call["completion_token_ids"], skip_special_tokens=True)

@@ -1,8 +1,12 @@
 """A real harness end to end: Codex CLI (npm @openai/codex, pinned by scripts/harness.sh) runs one task
 non-interactively through the real sidecar against the real vLLM; every call it makes is recorded token-exact.
 
+Codex runs with its defaults: no model in its config, so its own default model's request shape (its tools in an
+``additional_tools`` input item, a ``custom`` tool with a grammar), which the sidecar normalises.
+
 Codex samples (no temperature it lets us set), so the test checks exactness without replaying the sampling:
-- prompt ids: vLLM renders the recorded request again (``enable_response_messages``) to exactly these ids;
+- prompt ids: vLLM renders the recorded request again, normalised as the sidecar normalises it
+  (``enable_response_messages``), to exactly these ids;
 - completion ids: their decoding is the text Codex received, and teacher-forcing them after the prompt gives
   vLLM's logprob of each one equal to the recorded behaviour logprob (a wrong id would get another logprob).
 """
@@ -15,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from sidecar.apis.responses import normalise_request
 from tests.sidecar.conftest import (
     assert_harness_succeeded,
     assert_no_secret_anywhere,
@@ -39,7 +44,7 @@ def codex_home(tmp_path: Path, sidecar_url: str) -> Path:
     home = tmp_path / "codex-home"
     home.mkdir()
     (home / "config.toml").write_text(
-        'model = "gpt-5-codex"\nmodel_provider = "forge"\n\n'
+        'model_provider = "forge"\n\n'
         "[model_providers.forge]\n"
         f'name = "OpenForge sidecar"\nbase_url = "{sidecar_url}/v1"\nwire_api = "responses"\n'
         'env_key = "OPENAI_API_KEY"\nrequest_max_retries = 0\nstream_max_retries = 0\n\n'
@@ -67,6 +72,8 @@ def test_codex_runs_a_task_through_the_sidecar_and_every_call_is_exact(
     ok = calls
     for call in ok:
         request = json.loads(call["request_json"])
+        assert any(item.get("type") == "additional_tools" for item in request["input"])  # the default model's shape
+        normalise_request(request)
         rendered = vllm.post("/v1/responses", json={
             **request, "model": policy_server.name, "stream": False, "max_output_tokens": 1,
             "enable_response_messages": True,
