@@ -49,6 +49,10 @@ CALL_SCHEMA = pa.schema(
         pa.field("finish_reason", pa.string()),
         pa.field("error", pa.string()),
         pa.field("note", pa.string()),  # a fact about the ids that is not an error (e.g. logprobs not given)
+        # Tokens-in continuation (sidecar.continuation): tokens_in (served from the earlier call's ids), retokenized
+        # (the text extends an earlier call, the ids do not; served normally), rewrite (the text differs), or
+        # null (not examined). Files written before the column have none: read as null.
+        pa.field("continuation", pa.string()),
         pa.field("parent_call_id", pa.string()),
         pa.field("prefix_len", pa.int32()),
         pa.field("prompt_suffix_ids", pa.list_(pa.int32())),
@@ -110,6 +114,7 @@ class CallRecord(TypedDict, total=False):
     finish_reason: str | None
     error: str | None
     note: str | None
+    continuation: str | None
     parent_call_id: str | None
     prefix_len: int
     prompt_suffix_ids: bytes | None
