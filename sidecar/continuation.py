@@ -46,6 +46,7 @@ MODES = ("auto", "observe", "off")
 RENDER_PATH = "/v1/chat/completions/render"
 COMPLETIONS_PATH = "/v1/completions"
 HTTP_TIMEOUT_S = 10.0
+MAX_CANDIDATES = 2  # earlier calls whose text is compared (each costs two /detokenize calls)
 DECODE_BACKOFF = 8  # decode from a few ids before the divergence: never start inside a multi-byte character
 # The rendered sampling parameters passed on to /v1/completions by the same name; those ignored (vLLM's internal
 # bookkeeping, or what the sidecar sets itself); any other non-default one keeps the call on the normal path.
@@ -402,27 +403,34 @@ class Continuations:
         rendered = await self._call(RENDER_PATH, {**body, "stream": False, "stream_options": None})
         rendered_ids: list[int] = rendered["token_ids"]
         timings = {"render_ms": (time.perf_counter() - started) * 1e3}
-        best: tuple[int, list[int]] | None = None
-        for _, packed in episode_sequences:
+        # The earlier calls nearest to this prompt first: a prompt that extends one of them in ids needs nothing;
+        # else the first whose text this prompt re-renders is continued tokens-in.
+        scored = sorted(
+            ((common_prefix(list(memoryview(packed).cast("i")), rendered_ids), index, packed)
+             for index, (_, packed) in enumerate(episode_sequences)),
+            key=lambda item: (item[0], item[1]), reverse=True,
+        )  # fmt: skip
+        end_of_turn = await self._end_of_turn(model)
+        found: tuple[list[int], Split] | None = None
+        for shared, _, packed in scored[:MAX_CANDIDATES]:
             earlier = list(memoryview(packed).cast("i"))
-            shared = common_prefix(earlier, rendered_ids)
             if shared == len(earlier):
                 return None  # the prompt extends this call's ids: the normal path continues the segment
-            if best is None or shared > best[0]:
-                best = (shared, earlier)
-        assert best is not None
-        earlier = best[1]
-        split = retokenized_split(earlier, rendered_ids, await self._end_of_turn(model))
-        if split is None:
-            return Decision("rewrite", note="tokens-in: the prompt does not re-render an earlier call"), None
-        start = max(0, split.diverge - DECODE_BACKOFF)
-        ours, theirs = await asyncio.gather(
-            self._decode(model, earlier[start:]), self._decode(model, rendered_ids[start : split.end])
-        )
+            split = retokenized_split(earlier, rendered_ids, end_of_turn)
+            if split is None:
+                continue
+            start = max(0, split.diverge - DECODE_BACKOFF)
+            ours, theirs = await asyncio.gather(
+                self._decode(model, earlier[start:]), self._decode(model, rendered_ids[start : split.end])
+            )
+            if ours == theirs:
+                found = (earlier, split)
+                break
         timings["check_ms"] = (time.perf_counter() - started) * 1e3 - timings["render_ms"]
-        if ours != theirs:
-            differs = "tokens-in: the text differs from an earlier call's"
+        if found is None:
+            differs = "tokens-in: the prompt re-renders no earlier call's text (a rewrite)"
             return Decision("rewrite", note=differs, timings_ms=timings), None
+        earlier, split = found
         prompt = earlier + rendered_ids[split.end :]
         chat = added.chat if api == "messages" else added
         asked_max = any(isinstance(body.get(k), int) for k in ("max_tokens", "max_completion_tokens"))
