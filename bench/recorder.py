@@ -54,7 +54,7 @@ def drive(addon: Forge, flow: http.HTTPFlow) -> None:
     LOOP.run_until_complete(addon.request(flow))
     flow.response = tutils.tresp(content=flow.metadata["bench_response"],
                                  headers=http.Headers(content_type="application/json"))  # fmt: skip
-    addon.response(flow)
+    LOOP.run_until_complete(addon.response(flow))
 
 
 def episode_flows(episode_len: int, prompt_len: int, completion_len: int, new_per_turn: int) -> list[http.HTTPFlow]:

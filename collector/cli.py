@@ -254,7 +254,8 @@ def collect_command(
 @click.option("--png", "png", type=click.Path(dir_okay=False, path_type=Path), help="Also plot the figures here.")
 @FORMAT
 def report_command(store: str, s3_endpoint: str | None, state: Path | None, png: Path | None, fmt: str) -> None:
-    """Token fidelity per harness and per run: merge and fork rates, trainable share, calls without ids, truncated.
+    """Token fidelity per harness and per run: merge and fork rates, forks by cause (re-tokenization, retry,
+    rewrite, unrelated), calls served tokens-in, trainable share, calls without ids, truncated.
 
     Example: forge report --png fidelity.png
     """

@@ -4,13 +4,51 @@ merge rate: of the calls after an episode's first, the share that continued the 
 the share that started a new one (retries are counted beside them); trainable share: sampled tokens over all
 tokens of the segments; calls without ids and truncated calls: shares of all calls; unknown logprobs: trainable
 tokens whose behaviour logprob the upstream did not give (NaN), and their share of the trainable tokens.
+
+Forks by cause (each segment after an episode's first, by its first call): ``retokenization`` (the sidecar found
+the prompt re-renders an earlier call's text, not its ids: the call record's ``continuation`` says so),
+``retry`` (a prompt identical to an earlier one), ``unrelated`` (shares no prefix with any earlier call: a
+sub-agent, a side request), ``rewrite`` (shares a prefix, then the text differs: compaction, edited history,
+rewritten tool-call ids). Calls served tokens-in (``continuation = 'tokens_in'``) are counted beside them.
+Records written before the ``continuation`` column count no re-tokenization: their forks are rewrites.
 """
 
 from pathlib import Path
 
 import duckdb
 
+FORK_CAUSES_SQL = """
+SELECT s.episode_id, s.harness, s.run_id, s.segment, s.fork_reason, s.call_ids[1] AS call_id,
+       CASE WHEN s.fork_reason = 'retry' THEN 'retry'
+            WHEN c.continuation IN ('retokenized', 'tokens_in') THEN 'retokenization'
+            WHEN s.fork_reason = 'unrelated' THEN 'unrelated'
+            ELSE 'rewrite' END AS cause
+FROM segments s LEFT JOIN (SELECT call_id, {continuation} AS continuation FROM calls_raw) c
+     ON c.call_id = s.call_ids[1]
+WHERE s.segment > 0
+"""
+CAUSES = ("retokenization", "retry", "rewrite", "unrelated")
+
 REPORT_SQL = """
+WITH causes AS ({fork_causes}),
+per_episode AS (
+    SELECT episode_id,
+           count(*) FILTER (WHERE cause = 'retokenization') AS f_retokenization,
+           count(*) FILTER (WHERE cause = 'retry') AS f_retry,
+           count(*) FILTER (WHERE cause = 'rewrite') AS f_rewrite,
+           count(*) FILTER (WHERE cause = 'unrelated') AS f_unrelated
+    FROM causes GROUP BY episode_id
+),
+served AS (
+    SELECT episode_id, count(*) FILTER (WHERE {continuation} = 'tokens_in') AS n_tokens_in
+    FROM calls_raw GROUP BY episode_id
+),
+episodes AS (
+    SELECT e.*, coalesce(p.f_retokenization, 0) AS f_retokenization, coalesce(p.f_retry, 0) AS f_retry,
+           coalesce(p.f_rewrite, 0) AS f_rewrite, coalesce(p.f_unrelated, 0) AS f_unrelated,
+           coalesce(v.n_tokens_in, 0) AS n_tokens_in
+    FROM episodes e LEFT JOIN per_episode p USING (episode_id) LEFT JOIN served v USING (episode_id)
+)
 SELECT CASE WHEN GROUPING(harness) = 0 THEN 'harness' ELSE 'run' END AS grouping,
        coalesce(CASE WHEN GROUPING(harness) = 0 THEN harness ELSE run_id END, '(none)') AS name,
        count(*) AS episodes,
@@ -26,7 +64,12 @@ SELECT CASE WHEN GROUPING(harness) = 0 THEN 'harness' ELSE 'run' END AS grouping
        sum(n_truncated)::BIGINT AS truncated_calls,
        sum(n_truncated) / nullif(sum(n_calls), 0) AS truncated_share,
        sum(n_unknown_logprobs)::BIGINT AS unknown_logprobs,
-       sum(n_unknown_logprobs) / nullif(sum(n_trainable), 0) AS unknown_logprob_share
+       sum(n_unknown_logprobs) / nullif(sum(n_trainable), 0) AS unknown_logprob_share,
+       sum(f_retokenization)::BIGINT AS forks_retokenization,
+       sum(f_retry)::BIGINT AS forks_retry,
+       sum(f_rewrite)::BIGINT AS forks_rewrite,
+       sum(f_unrelated)::BIGINT AS forks_unrelated,
+       sum(n_tokens_in)::BIGINT AS calls_tokens_in
 FROM episodes
 GROUP BY GROUPING SETS ((harness), (run_id))
 ORDER BY grouping, name
@@ -39,8 +82,22 @@ PLOTTED = [
 ]  # fmt: skip
 
 
+def _continuation_column(con: duckdb.DuckDBPyConnection) -> str:
+    """The records' ``continuation`` column, or NULL where every file predates it."""
+    columns = {row[0] for row in con.execute("DESCRIBE calls_raw").fetchall()}
+    return "continuation" if "continuation" in columns else "NULL::VARCHAR"
+
+
+def fork_causes(con: duckdb.DuckDBPyConnection) -> list[dict]:
+    """One row per fork (a segment after an episode's first): episode, harness, run, segment, reason, cause."""
+    query = FORK_CAUSES_SQL.format(continuation=_continuation_column(con)) + " ORDER BY episode_id, segment"
+    return con.execute(query).arrow().read_all().to_pylist()
+
+
 def fidelity(con: duckdb.DuckDBPyConnection) -> tuple[list[str], list[tuple]]:
-    table = con.execute(REPORT_SQL).arrow().read_all()
+    continuation = _continuation_column(con)
+    causes = FORK_CAUSES_SQL.format(continuation=continuation)
+    table = con.execute(REPORT_SQL.format(fork_causes=causes, continuation=continuation)).arrow().read_all()
     return table.column_names, [tuple(row.values()) for row in table.to_pylist(maps_as_pydicts="lossy")]
 
 

@@ -44,6 +44,7 @@ from sidecar import apis, harness, transparent
 from sidecar.admin import DEFAULT_TOKEN_FILE, AdminServer, TokenFileError, create_token_file, read_token_file
 from sidecar.apis.base import Sampled, Served, StreamState, WireApi
 from sidecar.apis.errors import error_body, error_headers
+from sidecar.continuation import Continuations, Decision, note_of
 from sidecar.metrics import Metrics
 from sidecar.prefix import PrefixIndex
 from sidecar.record import CallRecord, checked_row
@@ -105,6 +106,7 @@ class Call:
     error: str | None = None
     bound: apis.CompletionBound | None = None  # how the completion's length was bounded
     harness: str | None = None  # which harness made the call (sidecar.harness)
+    continuation: Decision | None = None  # what tokens-in continuation found (sidecar/continuation.py)
 
 
 class Forge:
@@ -112,6 +114,7 @@ class Forge:
         self.metrics = Metrics()
         self.prefixes = PrefixIndex()
         self.requests = RequestIndex()
+        self.continuations = Continuations("off")
         self.in_flight: dict[str, tuple[http.HTTPFlow, Call]] = {}  # calls begun, not yet recorded
         self.versions: VersionClock | None = None  # asks the server's weight version around each call
         self.writer: RecordWriter | None = None
@@ -156,6 +159,8 @@ class Forge:
         add("forge_max_wal_bytes", int, 4 << 30, "Bound of the WAL on disk; past it new records are dropped.")
         add("forge_fsync", str, "interval", "When WAL commits reach the disk: always | interval (1 s) | never.")
         add("forge_drain_seconds", str, "20", "On SIGTERM, wait this long for calls in flight before cutting them.")
+        add("forge_tokens_in", str, "auto", "Re-tokenized history: auto (serve it tokens-in from the sampled ids), "
+            "observe (only record it), off.")  # fmt: skip
         add("forge_tls_passthrough", bool, False, "Open TLS only for model hosts (by SNI); pass the rest through.")
 
     def running(self) -> None:
@@ -175,6 +180,7 @@ class Forge:
         ).start()  # fmt: skip
         self.sidecar_id = self.writer.sidecar_id
         self.policy_model = o.forge_policy_model or None
+        self.continuations = Continuations(o.forge_tokens_in, f"{self.upstream.scheme}://{self.upstream.netloc}")
         self.policy_version = o.forge_policy_version or None
         if not self.policy_version:
             writer = self.writer
@@ -302,6 +308,7 @@ class Forge:
                 self._begin(flow, api)
                 call: Call = flow.metadata["forge_call"]
                 call.policy_version = self.policy_version or (await self.versions.before() if self.versions else None)
+                await self.continuations.prepare(flow, call, self.prefixes.sequences(call.episode_id))
             else:  # served by the policy, not a sampled call: routed, never recorded
                 self._strip_hop_secrets(flow)
                 self._route(flow)
@@ -323,13 +330,17 @@ class Forge:
             call.framer = EventFramer()
             flow.response.stream = lambda data: self._on_stream_data(flow, call, data)
 
-    def response(self, flow: http.HTTPFlow) -> None:
+    async def response(self, flow: http.HTTPFlow) -> None:
         call: Call | None = flow.metadata.get("forge_call")
         if flow.metadata.get("forge_api") == "models" and flow.request.headers.get("anthropic-version"):
             self._anthropic_model_list(flow)
         if call is None or call.recorded:
             return
         try:
+            failed = flow.response is not None and flow.response.status_code >= 400
+            tokens_in = call.continuation is not None and call.continuation.state == "tokens_in"
+            if failed and tokens_in and await self.continuations.fall_back(self, flow, call):
+                return  # served (and recorded) by the normal path instead
             self._finish(flow, call)
         except Exception as error:
             self._internal_error("response", error)
@@ -589,11 +600,12 @@ class Forge:
             "first_token_at": call.first_token_at, "finished_at": now_us(), "status": status,
             "http_status": flow.response.status_code if flow.response else None,
             "finish_reason": sampled.finish_reason if sampled else None, "error": call.error,
-            "note": sampled.note if sampled else None,
             "max_tokens_requested": call.bound.requested if call.bound else None,
             "max_tokens_served": call.bound.served(len(prompt) // 4 if prompt is not None else None)
             if call.bound
             else None,
+            "note": note_of(call.continuation, sampled.note if sampled else None),
+            "continuation": call.continuation.state if call.continuation else None,
             "parent_call_id": parent, "prefix_len": prefix_len,
             "prompt_suffix_ids": prompt[prefix_len * 4 :] if prompt is not None else None,
             "prompt_len": len(prompt) // 4 if prompt is not None else None,

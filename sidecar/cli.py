@@ -114,6 +114,14 @@ def upstream_trust(confdir: Path, extra_cas: tuple[Path, ...]) -> dict[str, str]
     show_default=True,
     help="On SIGTERM, wait this long for calls in flight (then record them as cut) before flushing.",
 )
+@click.option(
+    "--tokens-in",
+    type=click.Choice(["auto", "observe", "off"]),
+    default="auto",
+    show_default=True,
+    help="A call whose history re-tokenizes differently from the sampled ids: auto serves it tokens-in "
+    "from those ids (the episode does not fork), observe only records it.",
+)
 @click.option("--max-completion-tokens", type=int, default=0, help="Bound every completion (rollout length); 0: off.")
 @click.option("--ca-dir", type=click.Path(path_type=Path, file_okay=False),
               help="The CA to sign model hosts with (`forge ca init --dir`) [default: WAL_DIR/mitmproxy].")  # fmt: skip
@@ -125,8 +133,8 @@ def sidecar_command(
     wal_dir: Path | None, episode_id: str | None, task_id: str | None, run_id: str | None, admin_port: int,
     reward_token_file: Path | None, trust_episode_header: bool, model_map: str, model_hosts: str,
     policy_version: str | None, flush_seconds: float, flush_rows: int, max_wal_bytes: int, fsync: str,
-    drain_seconds: float, max_completion_tokens: int, ca_dir: Path | None, upstream_ca: tuple[Path, ...],
-    print_command: bool,
+    drain_seconds: float, tokens_in: str, max_completion_tokens: int, ca_dir: Path | None,
+    upstream_ca: tuple[Path, ...], print_command: bool,
 ) -> None:  # fmt: skip
     """Run the capture sidecar: serve model calls from the policy and record them token by token.
 
@@ -166,7 +174,7 @@ def sidecar_command(
          "model_hosts": model_hosts, "policy_version": policy_version, "s3_endpoint": s3_endpoint,
          "flush_seconds": flush_seconds, "flush_rows": flush_rows, "max_wal_bytes": max_wal_bytes,
          "fsync": fsync, "drain_seconds": drain_seconds,
-         "max_completion_tokens": max_completion_tokens or None,
+         "max_completion_tokens": max_completion_tokens or None, "tokens_in": tokens_in,
          "tls_passthrough": "true" if transparent else None},
         upstream_trust(wal if ca_dir else confdir, upstream_ca),
     )  # fmt: skip

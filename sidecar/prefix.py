@@ -47,6 +47,10 @@ class PrefixIndex:
                 best = (call_id, shared)
         return best if best[1] >= self.min_prefix else (None, 0)
 
+    def sequences(self, episode_id: str) -> list[tuple[str, bytes]]:
+        """The (call id, prompt + completion) of the episode's last few calls, oldest first."""
+        return list(self.episodes.get(episode_id, ()))
+
     def remember(self, episode_id: str, call_id: str, sequence: bytes) -> None:
         calls = self.episodes.get(episode_id)
         if calls is None:

@@ -54,6 +54,10 @@ CALL_SCHEMA = pa.schema(
         # Lowered when max_tokens_served < max_tokens_requested: the harness is never refused for its bound.
         pa.field("max_tokens_requested", pa.int32()),
         pa.field("max_tokens_served", pa.int32()),
+        # Tokens-in continuation (sidecar.continuation): tokens_in (served from the earlier call's ids), retokenized
+        # (the text extends an earlier call, the ids do not; served normally), rewrite (the text differs), or
+        # null (not examined). Files written before the column have none: read as null.
+        pa.field("continuation", pa.string()),
         pa.field("parent_call_id", pa.string()),
         pa.field("prefix_len", pa.int32()),
         pa.field("prompt_suffix_ids", pa.list_(pa.int32())),
@@ -123,6 +127,7 @@ class CallRecord(TypedDict, total=False):
     note: str | None
     max_tokens_requested: int | None
     max_tokens_served: int | None
+    continuation: str | None
     parent_call_id: str | None
     prefix_len: int
     prompt_suffix_ids: bytes | None

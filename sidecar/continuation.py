@@ -1,0 +1,528 @@
+"""Tokens-in continuation: a call whose history the harness resent as text is served from the ids the policy sampled.
+
+A harness resends the previous answer as text; the chat template re-tokenizes it, and the canonical tokenization
+need not be the one the policy sampled (a sampled ``Punct`` comes back as ``P`` + ``unct``, two sampled ``\\n`` as
+one ``\\n\\n``). The prompt then no longer extends the previous call's prompt + completion ids, and the episode
+forks. Here, before a call goes upstream:
+
+1. its prompt is rendered by the policy server's own template (``/v1/chat/completions/render``: ids and the
+   sampling parameters vLLM would use);
+2. if the rendered ids extend an earlier call of the episode (prompt + completion) nothing is done: the normal
+   path already continues the segment;
+3. else, with E the earlier call's ids and R the rendered ones, diverging at k: R's copy of E[k:] ends at the
+   same count of end-of-turn tokens (special tokens are never re-tokenized); if E[k:] and that part of R decode
+   to the same text (``/detokenize``), the call is a re-tokenization and is served tokens-in from E + the rest of
+   R through ``/v1/completions`` (token-id prompt, the rendered sampling parameters); otherwise it is a real
+   rewrite (compaction, sub-agent, edited history, changed tool-call ids) and goes on as today (it forks).
+
+The answer is turned back into the chat answer vLLM would have given (hermes tool calls parsed as vLLM's parser
+does) and handed to the wire API's own module (Chat Completions, or Anthropic Messages translated from it), so
+the harness gets its own format. Nothing is ever re-tokenized for training: the prompt ids are sampled ids plus
+the template's rendering of what the harness added; the completion ids are the ones vLLM sampled.
+
+Fail-open: any failure before the call goes out leaves it on the normal path; a tokens-in answer that is an
+error is replaced by the normal path's answer (asked again), and the record's note says why. The record's
+``continuation`` column says what was found: ``tokens_in`` (served so), ``retokenized`` (text extends, ids do not,
+served normally: ``observe`` mode, or a fallback), ``rewrite`` (the text differs), null (not examined).
+"""
+
+import asyncio
+import json
+import logging
+import re
+import time
+import urllib.error
+import urllib.request
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from sidecar.apis import messages
+from sidecar.apis.base import Sampled, compact
+from sidecar.sse import event_data
+
+log = logging.getLogger("openforge.sidecar")
+MODES = ("auto", "observe", "off")
+RENDER_PATH = "/v1/chat/completions/render"
+COMPLETIONS_PATH = "/v1/completions"
+HTTP_TIMEOUT_S = 10.0
+MAX_CANDIDATES = 2  # earlier calls whose text is compared (each costs two /detokenize calls)
+DECODE_BACKOFF = 8  # decode from a few ids before the divergence: never start inside a multi-byte character
+# The rendered sampling parameters passed on to /v1/completions by the same name; those ignored (vLLM's internal
+# bookkeeping, or what the sidecar sets itself); any other non-default one keeps the call on the normal path.
+PASSED = {
+    "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed",
+    "stop", "stop_token_ids", "max_tokens", "min_tokens", "ignore_eos", "include_stop_str_in_output",
+    "skip_special_tokens", "spaces_between_special_tokens", "bad_words",
+}  # fmt: skip
+IGNORED = {"logprobs", "output_kind", "skip_clone", "output_text_buffer_length", "skip_reading_prefix_cache", "n"}
+TOOL_CALL_START = "<tool_call>"
+TOOL_CALL_REGEX = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)  # vLLM's hermes parser
+
+
+# -- the decision (pure) ----------------------------------------------------------------------------------------
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+@dataclass
+class Split:
+    """Where a rendered prompt R re-renders an earlier sequence E: R[diverge:end] is R's copy of E[diverge:]."""
+
+    diverge: int
+    end: int  # R[end:] is what the harness added after E
+
+
+def retokenized_split(earlier: list[int], rendered: list[int], end_of_turn: int) -> Split | None:
+    """If R = E's text re-tokenized + more, where R's copy of E ends (to be checked by text); None if it cannot be.
+
+    Special tokens are never split or merged by a re-tokenization, so R's copy of E[k:] holds as many end-of-turn
+    ids as E[k:]; when E ends without one (the completion ran into its bound), the template closes the turn with
+    one more, which belongs to the added part.
+    """
+    k = common_prefix(earlier, rendered)
+    if k == len(earlier):
+        return None  # the ids extend: nothing to do
+    tail = earlier[k:]
+    closed = tail[-1] == end_of_turn
+    wanted = tail.count(end_of_turn) + (0 if closed else 1)
+    seen = 0
+    for index in range(k, len(rendered)):
+        if rendered[index] == end_of_turn:
+            seen += 1
+            if seen == wanted:
+                end = index + 1 if closed else index
+                return Split(k, end) if end < len(rendered) else None
+    return None
+
+
+def hermes_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]] | None]:
+    """(content, tool calls) as vLLM's hermes parser extracts them from a whole answer (None: no tool call)."""
+    if TOOL_CALL_START not in text:
+        return text, None
+    try:
+        found = [json.loads(a or b) for a, b in TOOL_CALL_REGEX.findall(text)]
+        calls = [
+            {"id": f"chatcmpl-tool-{uuid.uuid4().hex[:16]}", "type": "function",
+             "function": {"name": f["name"], "arguments": json.dumps(f["arguments"], ensure_ascii=False)}}
+            for f in found
+        ]  # fmt: skip
+    except Exception:  # vLLM logs it and answers the text as content
+        return text, None
+    content = text[: text.find(TOOL_CALL_START)]
+    return (content or None), calls
+
+
+def partial_tag_overlap(text: str, tag: str) -> int:
+    """How many trailing characters of ``text`` could begin ``tag``."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+def completions_request(
+    model: str | None, prompt: list[int], rendered: dict[str, Any], rendered_len: int, asked_max: bool, stream: bool
+) -> dict[str, Any] | None:
+    """The /v1/completions request serving a chat call tokens-in, from the parameters vLLM rendered for it; None
+    when they hold one this path does not carry over (the call stays on the normal path)."""
+    params = rendered.get("sampling_params") or {}
+    body: dict[str, Any] = {"model": model, "prompt": prompt, "return_token_ids": True, "logprobs": 0}
+    for name, value in params.items():
+        if name in PASSED:
+            body[name] = value
+        elif name not in IGNORED and value not in (None, [], {}, False, 0):
+            return None
+    if params.get("n", 1) not in (None, 1):
+        return None
+    if not asked_max and isinstance(body.get("max_tokens"), int):  # vLLM's default: what the context leaves
+        body["max_tokens"] -= len(prompt) - rendered_len
+        if body["max_tokens"] < 1:
+            return None
+    for name in ("cache_salt", "priority"):
+        if rendered.get(name) is not None:
+            body[name] = rendered[name]
+    if stream:
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+# -- the answer: completions → the chat answer vLLM would give --------------------------------------------------
+@dataclass
+class Additions:
+    """A call served tokens-in: the wire API's own module and additions, and what the chat answer needs."""
+
+    inner: Any  # sidecar.apis.openai or sidecar.apis.messages
+    inner_added: Any
+    stream: bool
+    tools: bool  # the request has tools and tool_choice auto: hermes parsing applies
+    prompt_ids: list[int]
+    note: str
+    upstream_path: str | None = COMPLETIONS_PATH
+
+
+def _chat_logprobs(values: list[Any], tokens: list[Any]) -> dict[str, Any]:
+    return {"content": [{"token": t or "", "logprob": v, "bytes": None, "top_logprobs": []}
+                        for v, t in zip(values, tokens + [None] * len(values), strict=False)]}  # fmt: skip
+
+
+def chat_answer(added: Additions, answer: dict[str, Any]) -> dict[str, Any]:
+    """A whole /v1/completions answer as vLLM's whole chat answer (ids and logprobs kept, for the inner module)."""
+    choice = (answer.get("choices") or [{}])[0]
+    text = choice.get("text") or ""
+    content, calls = hermes_tool_calls(text) if added.tools else (text, None)
+    message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None, "annotations": None,
+                               "audio": None, "function_call": None}  # fmt: skip
+    if calls:
+        message["tool_calls"] = calls
+    message["reasoning"] = None
+    logprobs = choice.get("logprobs") or {}
+    return {
+        "id": "chatcmpl-" + str(answer.get("id") or uuid.uuid4().hex).removeprefix("cmpl-"),
+        "object": "chat.completion", "created": answer.get("created") or int(time.time()),
+        "model": answer.get("model"),
+        "choices": [{
+            "index": 0, "message": message,
+            "logprobs": _chat_logprobs(logprobs.get("token_logprobs") or [], logprobs.get("tokens") or []),
+            "finish_reason": "tool_calls" if calls else (choice.get("finish_reason") or "stop"),
+            "stop_reason": choice.get("stop_reason"), "token_ids": choice.get("token_ids"), "routed_experts": None,
+        }],
+        "service_tier": None, "system_fingerprint": answer.get("system_fingerprint"), "usage": answer.get("usage"),
+        "prompt_logprobs": None, "prompt_token_ids": choice.get("prompt_token_ids") or added.prompt_ids,
+        "prompt_text": None, "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None,
+    }  # fmt: skip
+
+
+def finish(added: Additions, answer: dict[str, Any]) -> tuple[Sampled, dict[str, Any]]:
+    sampled, out = added.inner.finish(added.inner_added, chat_answer(added, answer))
+    sampled.note = "; ".join(filter(None, [sampled.note, added.note]))
+    return sampled, out
+
+
+def error_body(status: int, upstream_text: str) -> bytes:
+    return messages.error_body(status, upstream_text)
+
+
+def error_event(message: str) -> bytes:
+    return f"data: {compact({'error': {'message': message, 'type': 'api_error'}})}\n\n".encode()
+
+
+class StreamState:
+    """/v1/completions chunks in; vLLM-style chat chunks made from them go through the inner module's stream state
+    (which gathers the ids and writes what the harness gets). Text is sent on live; with tools, from a possible
+    ``<tool_call>`` on it is held back and parsed as a whole at the end (as vLLM's hermes parser would)."""
+
+    def __init__(self, added: Additions) -> None:
+        self.added = added
+        self.inner = added.inner.StreamState(added.inner_added)
+        self.text = ""
+        self.sent = 0  # characters of text sent on as content
+        self.started = False
+        self.finish_reason: str | None = None
+        self.stop_reason: Any = None
+        self.chat_id = "chatcmpl-" + uuid.uuid4().hex
+        self.model: str | None = None
+        self.created = int(time.time())
+
+    @property
+    def done(self) -> bool:
+        return bool(self.inner.done)
+
+    @property
+    def sampled(self) -> Sampled:
+        sampled: Sampled = self.inner.sampled
+        if self.added.note not in (sampled.note or ""):
+            sampled.note = "; ".join(filter(None, [sampled.note, self.added.note]))
+        return sampled
+
+    @property
+    def gather_error(self) -> str | None:
+        return getattr(self.inner, "gather_error", None)
+
+    def summary(self) -> dict[str, Any]:
+        return {**self.inner.summary(), "served": "tokens-in"}
+
+    def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
+        chunk = {"id": self.chat_id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                 "choices": choices, **extra}  # fmt: skip
+        return f"data: {compact(chunk)}\n\n".encode()
+
+    def _sendable(self) -> str:
+        if not self.added.tools:
+            end = len(self.text)
+        elif TOOL_CALL_START in self.text:
+            end = self.text.index(TOOL_CALL_START)
+        else:
+            end = len(self.text) - partial_tag_overlap(self.text, TOOL_CALL_START)
+        piece, self.sent = self.text[self.sent : max(end, self.sent)], max(end, self.sent)
+        return piece
+
+    def feed_event(self, raw: bytes) -> list[bytes]:
+        data = event_data(raw)
+        if data is None:
+            return []
+        if data.strip() == "[DONE]":
+            return self._feed(b"data: [DONE]\n\n")
+        try:
+            chunk = json.loads(data)
+        except ValueError:
+            return []
+        if not isinstance(chunk, dict):
+            return []
+        if "error" in chunk and "choices" not in chunk:
+            return self._feed(raw)
+        self.model = self.model or chunk.get("model")
+        events: list[bytes] = []
+        for choice in chunk.get("choices") or []:
+            if choice.get("index", 0) != 0:
+                continue
+            if not self.started:
+                self.started = True
+                role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                        "finish_reason": None}  # fmt: skip
+                prompt = choice.get("prompt_token_ids") or self.added.prompt_ids
+                events.append(self._chunk([role], prompt_token_ids=prompt))
+            self.text += choice.get("text") or ""
+            logprobs = choice.get("logprobs") or {}
+            ids = choice.get("token_ids") or []
+            if ids:
+                events.append(self._chunk([{
+                    "index": 0, "delta": {"content": self._sendable()},
+                    "logprobs": _chat_logprobs(logprobs.get("token_logprobs") or [], logprobs.get("tokens") or []),
+                    "finish_reason": None, "token_ids": ids,
+                }]))  # fmt: skip
+            if choice.get("finish_reason"):
+                self.finish_reason, self.stop_reason = choice["finish_reason"], choice.get("stop_reason")
+                events += self._close()
+        if chunk.get("usage") is not None and not chunk.get("choices"):
+            events.append(self._chunk([], usage=chunk["usage"]))
+        out: list[bytes] = []
+        for event in events:
+            out += self._feed(event)
+        return out
+
+    def _close(self) -> list[bytes]:
+        held = self.text[self.sent :]
+        calls = None
+        if self.added.tools and held:
+            _, calls = hermes_tool_calls(self.text)
+        events = []
+        if calls:
+            for index, call in enumerate(calls):
+                events.append(self._chunk([{"index": 0, "delta": {"tool_calls": [{**call, "index": index}]},
+                                            "logprobs": None, "finish_reason": None}]))  # fmt: skip
+        elif held:
+            self.sent = len(self.text)
+            events.append(self._chunk([{"index": 0, "delta": {"content": held}, "logprobs": None,
+                                        "finish_reason": None}]))  # fmt: skip
+        reason = "tool_calls" if calls else self.finish_reason
+        events.append(self._chunk([{"index": 0, "delta": {}, "logprobs": None, "finish_reason": reason,
+                                    "stop_reason": self.stop_reason}]))  # fmt: skip
+        return events
+
+    def _feed(self, event: bytes) -> list[bytes]:
+        return list(self.inner.feed_event(event))
+
+
+# -- the work around a call --------------------------------------------------------------------------------------
+@dataclass
+class Decision:
+    """What the examination of one call found (kept on the call; the record's ``continuation`` and ``note``)."""
+
+    state: str  # tokens_in | retokenized | rewrite
+    note: str | None = None
+    original_path: str = ""
+    original_body: bytes = b""
+    inner: Any = None
+    inner_added: Any = None
+    timings_ms: dict[str, float] = field(default_factory=dict)
+
+
+def _post(url: str, payload: dict[str, Any], timeout: float = HTTP_TIMEOUT_S) -> Any:
+    request = urllib.request.Request(url, data=json.dumps(payload).encode(), method="POST",
+                                     headers={"content-type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(request, timeout=timeout) as answer:
+        return json.load(answer)
+
+
+class Continuations:
+    """The sidecar's tokens-in continuation: ``examine`` before a call goes upstream, ``fall_back`` if it failed."""
+
+    def __init__(self, mode: str = "auto", base_url: str = "http://127.0.0.1:8000") -> None:
+        if mode not in MODES:
+            raise ValueError(f"tokens-in mode must be one of {', '.join(MODES)}, not {mode!r}")
+        self.mode = mode
+        self.base_url = base_url.rstrip("/")
+        self.end_of_turn: dict[str, int] = {}  # per served model: the id the template closes a turn with
+
+    async def _call(self, path: str, payload: dict[str, Any]) -> Any:
+        return await asyncio.to_thread(_post, self.base_url + path, payload)
+
+    async def _end_of_turn(self, model: str) -> int:
+        """The first id the template adds when it closes an assistant turn (rendered once per model)."""
+        if model not in self.end_of_turn:
+            turn = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+            closed, open_ = await asyncio.gather(
+                self._call(RENDER_PATH, {"model": model, "messages": turn, "add_generation_prompt": False}),
+                self._call(RENDER_PATH, {"model": model, "messages": turn, "add_generation_prompt": False,
+                                         "continue_final_message": True}),
+            )  # fmt: skip
+            closed_ids, open_ids = closed["token_ids"], open_["token_ids"]
+            if closed_ids[: len(open_ids)] != open_ids or len(closed_ids) == len(open_ids):
+                raise ValueError("the chat template does not close an assistant turn with a token")
+            self.end_of_turn[model] = closed_ids[len(open_ids)]
+        return self.end_of_turn[model]
+
+    async def _decode(self, model: str, ids: list[int]) -> str:
+        return str((await self._call("/detokenize", {"model": model, "tokens": ids}))["prompt"])
+
+    def eligible(self, api: str, body: dict[str, Any], added: Any) -> bool:
+        """Chat and Messages calls (served through chat) with one choice, no ids or logprobs asked by the harness,
+        and tool choice auto or none (required/named ones are structured outputs: the normal path only)."""
+        if self.mode == "off" or api not in ("chat", "messages") or added is None:
+            return False
+        chat = added.chat if api == "messages" else added
+        if chat.harness_ids or chat.harness_logprobs or body.get("n", 1) != 1 or body.get("prompt_logprobs"):
+            return False
+        return body.get("tool_choice") in (None, "auto", "none") and not body.get("response_format")
+
+    async def examine(
+        self, api: str, episode_sequences: list[tuple[str, bytes]], body: dict[str, Any], added: Any, path: str
+    ) -> tuple[Decision, dict[str, Any] | None] | None:
+        """For an eligible call with earlier calls in its episode: None (ids extend, or nothing to compare), or the
+        decision and, when it is to be served tokens-in, the /v1/completions request."""
+        if not episode_sequences or not self.eligible(api, body, added):
+            return None
+        started = time.perf_counter()
+        model = str(body.get("model"))
+        rendered = await self._call(RENDER_PATH, {**body, "stream": False, "stream_options": None})
+        rendered_ids: list[int] = rendered["token_ids"]
+        timings = {"render_ms": (time.perf_counter() - started) * 1e3}
+        # The earlier calls nearest to this prompt first: a prompt that extends one of them in ids needs nothing;
+        # else the first whose text this prompt re-renders is continued tokens-in.
+        scored = sorted(
+            ((common_prefix(list(memoryview(packed).cast("i")), rendered_ids), index, packed)
+             for index, (_, packed) in enumerate(episode_sequences)),
+            key=lambda item: (item[0], item[1]), reverse=True,
+        )  # fmt: skip
+        end_of_turn = await self._end_of_turn(model)
+        found: tuple[list[int], Split] | None = None
+        for shared, _, packed in scored[:MAX_CANDIDATES]:
+            earlier = list(memoryview(packed).cast("i"))
+            if shared == len(earlier):
+                return None  # the prompt extends this call's ids: the normal path continues the segment
+            split = retokenized_split(earlier, rendered_ids, end_of_turn)
+            if split is None:
+                continue
+            start = max(0, split.diverge - DECODE_BACKOFF)
+            ours, theirs = await asyncio.gather(
+                self._decode(model, earlier[start:]), self._decode(model, rendered_ids[start : split.end])
+            )
+            if ours == theirs:
+                found = (earlier, split)
+                break
+        timings["check_ms"] = (time.perf_counter() - started) * 1e3 - timings["render_ms"]
+        if found is None:
+            differs = "tokens-in: the prompt re-renders no earlier call's text (a rewrite)"
+            return Decision("rewrite", note=differs, timings_ms=timings), None
+        earlier, split = found
+        prompt = earlier + rendered_ids[split.end :]
+        chat = added.chat if api == "messages" else added
+        asked_max = any(isinstance(body.get(k), int) for k in ("max_tokens", "max_completion_tokens"))
+        request = completions_request(model, prompt, rendered, len(rendered_ids), asked_max, chat.stream)
+        note = (f"served tokens-in: {len(earlier)} ids of an earlier call (re-tokenized from id {split.diverge}) + "
+                f"{len(rendered_ids) - split.end} rendered")  # fmt: skip
+        decision = Decision("retokenized", note=note, original_path=path, original_body=b"", timings_ms=timings)
+        if request is None:
+            decision.note = "tokens-in: a sampling parameter this path does not carry; served normally"
+            return decision, None
+        if self.mode == "observe":
+            decision.note = "tokens-in (observe): re-tokenized history; served normally"
+            return decision, None
+        decision.state = "tokens_in"
+        return decision, request
+
+    async def prepare(self, flow: Any, call: Any, episode_sequences: list[tuple[str, bytes]]) -> None:
+        """The addon's hook (``request``): examine the call; serve it tokens-in when it applies. Fail-open."""
+        if self.mode == "off" or call.added is None or not episode_sequences or call.api not in ("chat", "messages"):
+            return
+        try:
+            body = json.loads(flow.request.content or b"")
+            found = await self.examine(call.api, episode_sequences, body, call.added, flow.request.path)
+        except Exception as error:
+            call.continuation = Decision("error", note=f"tokens-in not examined ({type(error).__name__}: {error})")
+            return
+        if found is None:
+            return
+        decision, request = found
+        call.continuation = decision
+        if request is None:
+            return
+        decision.original_body = flow.request.content or b""
+        decision.inner, decision.inner_added = call.module, call.added
+        chat = call.added.chat if call.api == "messages" else call.added
+        call.added = Additions(
+            inner=call.module, inner_added=call.added, stream=chat.stream,
+            tools=bool(body.get("tools")) and body.get("tool_choice") in (None, "auto"),
+            prompt_ids=request["prompt"], note=decision.note or "",
+        )  # fmt: skip
+        call.module = TokensInModule
+        flow.request.path = COMPLETIONS_PATH
+        flow.request.content = compact(request).encode()
+
+    async def fall_back(self, forge: Any, flow: Any, call: Any) -> bool:
+        """The tokens-in answer is an error: ask the normal path instead and give the harness that answer. True
+        when the call was recorded here (a stream, passed through the inner module's stream state)."""
+        from mitmproxy import http
+
+        from sidecar.sse import EventFramer
+
+        decision: Decision = call.continuation
+        response = flow.response
+        why = f"HTTP {response.status_code}: {(response.get_text(strict=False) or '')[:300]}"
+        decision.state = "retokenized"
+        decision.note = f"tokens-in failed ({why}); served by the normal path"
+        call.module, call.added = decision.inner, decision.inner_added
+        flow.request.path = decision.original_path
+        flow.request.content = decision.original_body
+        url = f"{flow.request.scheme}://{flow.request.host}:{flow.request.port}{decision.original_path}"
+
+        def ask() -> tuple[int, bytes, str]:
+            request = urllib.request.Request(url, data=decision.original_body, method="POST",
+                                             headers={"content-type": "application/json"})  # fmt: skip
+            try:
+                with urllib.request.urlopen(request, timeout=600) as answer:
+                    return answer.status, answer.read(), answer.headers.get("content-type", "")
+            except urllib.error.HTTPError as error:
+                return error.code, error.read(), error.headers.get("content-type", "")
+
+        status, content, kind = await asyncio.to_thread(ask)
+        flow.response = http.Response.make(status, content, {"content-type": kind or "application/json"})
+        if status < 400 and call.added.stream and "text/event-stream" in kind:
+            call.stream = call.module.StreamState(call.added)
+            call.framer = EventFramer()
+            out = forge._on_stream_data(flow, call, content) + forge._on_stream_data(flow, call, b"")
+            flow.response.content = b"".join(out)
+            return True
+        return False
+
+
+class TokensInModule:
+    """Stands in for the wire API's module on a call served tokens-in (``call.module``)."""
+
+    StreamState = StreamState
+    finish = staticmethod(finish)
+    error_body = staticmethod(error_body)
+    error_event = staticmethod(error_event)
+
+
+def note_of(decision: Decision | None, note: str | None) -> str | None:
+    """The record's note with the continuation's added."""
+    if decision is None or not decision.note or (note and decision.note in note):
+        return note
+    return "; ".join(filter(None, [note, decision.note]))
