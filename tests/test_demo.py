@@ -1,0 +1,100 @@
+"""`forge demo`, shortened (2 tasks × 2 rollouts × 2 rounds): the whole loop with the real mini-swe-agent, the real
+sidecar, the real vLLM, the real collector and a real veRL update, checked from what it left in the store.
+
+It starts its own policy server (the demo loads adapters into it) and installs mini-swe-agent once
+(scripts/harness.sh, cached under $FORGE_CACHE) as `make demo` does.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from collector.sql import connect
+from forge.demo.run import TASKS_FILE, summary_table
+from forge.demo.verify import CHECKS, verdict
+from k8s.tasks import load_tasks
+from trainer.publish import TOLERANCE
+
+FORGE = str(Path(sys.executable).parent / "forge")
+
+
+@pytest.mark.integration
+def test_a_short_demo_closes_the_loop(tmp_path: Path) -> None:
+    out = tmp_path / "demo"
+    done = subprocess.run(
+        [FORGE, "demo", "--tasks", "2", "--rollouts", "2", "--rounds", "2", "--out", str(out), "--run", "t",
+         "--no-progress"],
+        capture_output=True, text=True, timeout=1800, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    printed = done.stdout
+    assert "round  policy version  episodes" in printed and "rounds in" in printed
+
+    summary = json.loads((out / "summary.json").read_text())
+    rounds = summary["rounds"]
+    assert [r["version"] for r in rounds] == [0, 1]
+    assert [r["new_version"] for r in rounds] == [1, 2]
+    for r in rounds:  # one GRPO group per task: the task id reached the records through the proxy user name
+        assert r["groups"] == 2, r
+        assert r["episodes"] == 4 and r["complete"] + r["failed_rollouts"] >= 4 - r["failed_rollouts"]
+
+    con = connect(str(out / "store"), episodes=True, idle_seconds=0.0)
+    calls = con.execute(
+        "SELECT run_id, episode_id, task_id, host, harness, status, policy_version, len(prompt_token_ids), "
+        "len(completion_token_ids) FROM calls ORDER BY run_id, episode_id, seq"
+    ).fetchall()
+    episodes = {c[1] for c in calls}
+    assert episodes == {f"t-r{n}.{task}.{i}" for n in (1, 2) for task in ("hello-file", "count-lines") for i in (0, 1)}
+    for run_id, episode, task, host, harness, status, version, n_prompt, n_completion in calls:
+        assert episode.startswith(f"{run_id}.{task}."), (episode, task)
+        assert host == "api.openai.com"  # the harness kept its own endpoint: the sidecar answered as it
+        assert harness == "mini-swe-agent"
+        assert status == "ok" and n_prompt and n_completion
+        assert version == ("0" if run_id == "t-r1" else "1")  # round 2 was served by the published v1
+
+    rewards = dict(con.execute("SELECT episode_id, reward FROM rewards").fetchall())
+    failed = sum(r["failed_rollouts"] for r in rounds)
+    assert len(rewards) == 8 - failed and failed <= 1
+
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["version"] for m in metrics] == [1, 2]
+    for m in metrics:  # each update landed: the server's probe logprobs are the new weights'
+        assert m["probe_diff"] <= TOLERANCE["float32"]
+        assert m["episodes"] >= 3
+    assert (out / "rounds.png").stat().st_size > 10_000
+    pages = list(out.glob("episode-*.html"))
+    assert len(pages) == 1 and "segment" in pages[0].read_text()
+
+
+def test_every_shipped_task_has_a_verifier_that_gives_partial_credit(tmp_path: Path) -> None:
+    tasks = load_tasks(TASKS_FILE)
+    assert {t.id for t in tasks} == set(CHECKS)
+    trajectory = {"messages": [
+        {"role": "assistant", "content": "```bash\nls\n```"},
+        {"role": "user", "content": "Format error", "extra": {"interrupt_type": "FormatError"}},
+    ]}  # fmt: skip
+    (tmp_path / "traj.json").write_text(json.dumps(trajectory))
+    assert verdict("hello-file", tmp_path) == {
+        "reward": 0.2, "components": {"format": 0.5, "outcome": 0.0, "turns_run": 1, "turns_rejected": 1}
+    }  # fmt: skip
+    (tmp_path / "hello.txt").write_text("nothing\n")
+    assert verdict("hello-file", tmp_path)["reward"] == 0.5  # the file: half the outcome
+    (tmp_path / "hello.txt").write_text("hello\n")
+    assert verdict("hello-file", tmp_path)["reward"] == 0.8
+    (tmp_path / "traj.json").write_text("{not json")
+    assert verdict("hello-file", tmp_path)["components"]["format"] == 0.0  # no trajectory, no format credit
+
+
+def test_the_summary_table_says_what_each_round_did() -> None:
+    from forge.demo.run import RoundStats
+
+    stats = RoundStats(round=1, version=0, episodes=16, complete=15, failed_rollouts=1, calls=40,
+                       trainable_tokens=4000, fork_rate=0.25, reward_mean=0.2, reward_sd=0.1, groups=4,
+                       zero_variance_groups=1, rollout_s=100.0, update_s=50.0, publish_s=1.5,
+                       new_version=1)  # fmt: skip
+    lines = summary_table([stats]).splitlines()
+    assert lines[0].split()[:3] == ["round", "policy", "version"]
+    assert "v0 → v1" in lines[2] and "15/16" in lines[2] and "0.200 ± 0.100" in lines[2] and "1/4" in lines[2]
