@@ -24,6 +24,7 @@ system:
 harnesses:
 	@scripts/harness.sh codex >/dev/null
 	@scripts/harness.sh claude-code >/dev/null
+	@scripts/harness.sh mini-swe-agent >/dev/null
 
 lint: env
 	.venv/bin/ruff check .
@@ -42,7 +43,8 @@ test: lint typecheck model harnesses system
 unit: env
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -m "not integration" $(PYTEST_ARGS)
 
-demo: env
-	@echo "make demo: not built yet. The end-to-end loop (harness -> sidecar -> collector -> veRL update ->"
-	@echo "reload into vLLM -> second round) lands with the trainer issues. What runs today: README, 'Status'."
-	@exit 2
+# The whole loop on the embedded default (forge demo --help: --tasks, --rollouts, --rounds, --store, ...).
+DEMO_ARGS ?=
+demo: model
+	@scripts/harness.sh mini-swe-agent >/dev/null
+	@HF_HUB_OFFLINE=1 $(FORGE) demo $(DEMO_ARGS)
