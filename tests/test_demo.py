@@ -69,6 +69,29 @@ def test_a_short_demo_closes_the_loop(tmp_path: Path) -> None:
     assert len(pages) == 1 and "segment" in pages[0].read_text()
 
 
+@pytest.mark.integration
+def test_the_demo_runs_on_an_s3_store(tmp_path: Path, s3_server) -> None:
+    """One round on moto's S3 server: calls, rewards and the checkpoint go to S3; the update is published."""
+    out, store = tmp_path / "demo", f"s3://{s3_server.bucket}/demo"
+    done = subprocess.run(
+        [FORGE, "demo", "--tasks", "1", "--rollouts", "2", "--rounds", "1", "--out", str(out), "--run", "s3",
+         "--store", store, "--s3-endpoint", s3_server.endpoint, "--no-progress"],
+        capture_output=True, text=True, timeout=1800, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert not (out / "store").exists()
+    con = connect(store, s3_server.endpoint, episodes=True, state_dir=tmp_path / "state", idle_seconds=0.0)
+    assert con.execute("SELECT count(DISTINCT episode_id) FROM calls").fetchone() == (2,)
+    assert con.execute("SELECT count(*) FROM rewards").fetchone()[0] >= 1
+    import boto3
+
+    keys = [o["Key"] for o in boto3.client("s3", endpoint_url=s3_server.endpoint)
+            .list_objects_v2(Bucket=s3_server.bucket, Prefix="demo/checkpoints/s3/")["Contents"]]  # fmt: skip
+    assert any("/v1/" in key for key in keys), keys
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["rounds"][0]["new_version"] == 1
+
+
 def test_every_shipped_task_has_a_verifier_that_gives_partial_credit(tmp_path: Path) -> None:
     tasks = load_tasks(TASKS_FILE)
     assert {t.id for t in tasks} == set(CHECKS)
