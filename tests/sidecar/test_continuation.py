@@ -90,17 +90,16 @@ def _serve(vllm, module, added, body: dict, tokens_in: bool) -> tuple[list[int],
                                                    len(rendered["token_ids"]), True, added_stream(added))  # fmt: skip
         assert request is not None
         chat = added.chat if module is messages else added
-        state_added = continuation.Additions(module, added, chat.stream, True, rendered["token_ids"], "")
-        path, payload, module = "/v1/completions", request, continuation.TokensInModule
-        added = state_added
+        added = continuation.Additions(added, chat.stream, True, rendered["token_ids"], "")
+        path, payload = "/v1/completions", request
     else:
         path, payload = ("/v1/chat/completions", body)
     answer = vllm.post(path, json=payload)
     assert answer.status_code == 200, answer.text
     if not added_stream(added):
-        sampled, out = module.finish(added, answer.json())
+        sampled, out = added.finish(answer.json())
         return sampled.completion_ids, out
-    state = module.StreamState(added)
+    state = added.stream_state()
     events = [e for raw in _sse_events(answer.text) for e in state.feed_event(raw)]
     return state.sampled.completion_ids, [e.decode() for e in events]
 
