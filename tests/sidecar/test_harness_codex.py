@@ -22,6 +22,7 @@ import os
 import shutil
 import subprocess
 import time
+import tomllib
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -117,7 +118,7 @@ def test_codex_runs_a_task_through_the_sidecar_and_every_call_is_exact(
     for call in ok:
         request = json.loads(call["request_json"])
         assert any(item.get("type") == "additional_tools" for item in request["input"])  # the default model's shape
-        assert "model" not in (home / "config.toml").read_text().split("[", 1)[0]  # no model set: Codex's own
+        assert "model" not in tomllib.loads((home / "config.toml").read_text())  # no model set: Codex's own
         # The test-only bound (the one field added in front of the sidecar), served as the harness's own.
         assert request["max_output_tokens"] == OUTPUT_BOUND
         assert (call["max_tokens_requested"], call["max_tokens_served"]) == (OUTPUT_BOUND, OUTPUT_BOUND)
