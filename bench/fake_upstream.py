@@ -62,6 +62,11 @@ def chat_chunks(body: dict[str, Any]) -> list[dict[str, Any]]:
     return chunks
 
 
+# vLLM's rendering and detokenizing (sidecar/continuation.py asks them): the stand-in has none, as a server without
+# them; continuation then leaves the call on the normal path (fail-open).
+SIDE_PATHS = ("/render", "/detokenize", "/tokenize")
+
+
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     disable_nagle_algorithm = True  # headers and body go in separate writes: no 40 ms delayed-ACK stall
@@ -92,6 +97,9 @@ class Handler(BaseHTTPRequestHandler):
         if len(requests) < 10_000:  # tests look at the last requests; benchmarks send many more
             requests.append({"path": self.path, "headers": dict(self.headers), "body": body_bytes})
         behaviour = self.headers.get("x-fake", "")
+        if self.path.split("?", 1)[0].endswith(SIDE_PATHS):  # the sidecar's side questions (tokens-in): not served
+            self.send_json(404, {"error": {"message": "not served by the stand-in", "type": "NotFound", "code": 404}})
+            return  # a test's scripted answer is for the model call, never taken by these
         script = self.server.script  # type: ignore[attr-defined]
         if script:  # a test's exact answer: status, content type, body (an event stream is sent chunked)
             self.send_scripted(*script.popleft())

@@ -29,17 +29,23 @@ served normally: ``observe`` mode, or a fallback), ``rewrite`` (the text differs
 import asyncio
 import json
 import logging
+import os
 import re
 import time
 import urllib.error
 import urllib.request
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from sidecar.apis import messages
-from sidecar.apis.base import Sampled, compact
+from sidecar.apis import CompletionBound
+from sidecar.apis.base import Sampled, Served, compact
 from sidecar.sse import event_data
+
+if TYPE_CHECKING:  # the addon imports this module; these are only its types
+    from mitmproxy import http
+
+    from sidecar.addon import Call, Forge
 
 log = logging.getLogger("openforge.sidecar")
 MODES = ("auto", "observe", "off")
@@ -126,10 +132,15 @@ def partial_tag_overlap(text: str, tag: str) -> int:
 
 
 def completions_request(
-    model: str | None, prompt: list[int], rendered: dict[str, Any], rendered_len: int, asked_max: bool, stream: bool
-) -> dict[str, Any] | None:
+    model: str | None, prompt: list[int], rendered: dict[str, Any], rendered_len: int, asked_max: bool, stream: bool,
+    max_tokens: int | None = None,
+) -> dict[str, Any] | None:  # fmt: skip
     """The /v1/completions request serving a chat call tokens-in, from the parameters vLLM rendered for it; None
-    when they hold one this path does not carry over (the call stays on the normal path)."""
+    when they hold one this path does not carry over (the call stays on the normal path).
+
+    ``max_tokens``: the call's completion bound for this prompt (``CompletionBound.served``: the bound sent, and the
+    room this prompt leaves in the context), when known. vLLM rendered its own from the re-tokenized prompt, whose
+    length differs: without it, the room is corrected by that difference when the harness set no bound."""
     params = rendered.get("sampling_params") or {}
     body: dict[str, Any] = {"model": model, "prompt": prompt, "return_token_ids": True, "logprobs": 0}
     for name, value in params.items():
@@ -139,10 +150,12 @@ def completions_request(
             return None
     if params.get("n", 1) not in (None, 1):
         return None
-    if not asked_max and isinstance(body.get("max_tokens"), int):  # vLLM's default: what the context leaves
+    if max_tokens is not None:
+        body["max_tokens"] = max_tokens
+    elif not asked_max and isinstance(body.get("max_tokens"), int):  # vLLM's default: what the context leaves
         body["max_tokens"] -= len(prompt) - rendered_len
-        if body["max_tokens"] < 1:
-            return None
+    if isinstance(body.get("max_tokens"), int) and body["max_tokens"] < 1:
+        return None  # no room left: the normal path answers (vLLM's own error)
     for name in ("cache_salt", "priority"):
         if rendered.get(name) is not None:
             body[name] = rendered[name]
@@ -155,15 +168,29 @@ def completions_request(
 # -- the answer: completions → the chat answer vLLM would give --------------------------------------------------
 @dataclass
 class Additions:
-    """A call served tokens-in: the wire API's own module and additions, and what the chat answer needs."""
+    """A call served tokens-in (a ``Served``): the wire API's own additions, which take the chat answer made from
+    the /v1/completions one back to the harness's format, and what that chat answer needs."""
 
-    inner: Any  # sidecar.apis.openai or sidecar.apis.messages
-    inner_added: Any
+    inner: Served  # the wire API's own additions (Chat Completions, or Anthropic Messages through chat)
     stream: bool
     tools: bool  # the request has tools and tool_choice auto: hermes parsing applies
     prompt_ids: list[int]
     note: str
     upstream_path: str | None = COMPLETIONS_PATH
+
+    @property
+    def api(self) -> str:
+        return self.inner.api
+
+    def finish(self, answer: dict[str, Any]) -> tuple[Sampled, dict[str, Any]]:
+        return finish(self, answer)
+
+    def stream_state(self) -> "StreamState":
+        return StreamState(self)
+
+    def error_event(self, message: str) -> bytes:
+        """The end of a failed stream in the harness's own format (the inner module's, not /v1/completions')."""
+        return self.inner.error_event(message)
 
 
 def _chat_logprobs(values: list[Any], tokens: list[Any]) -> dict[str, Any]:
@@ -199,17 +226,9 @@ def chat_answer(added: Additions, answer: dict[str, Any]) -> dict[str, Any]:
 
 
 def finish(added: Additions, answer: dict[str, Any]) -> tuple[Sampled, dict[str, Any]]:
-    sampled, out = added.inner.finish(added.inner_added, chat_answer(added, answer))
+    sampled, out = added.inner.finish(chat_answer(added, answer))
     sampled.note = "; ".join(filter(None, [sampled.note, added.note]))
     return sampled, out
-
-
-def error_body(status: int, upstream_text: str) -> bytes:
-    return messages.error_body(status, upstream_text)
-
-
-def error_event(message: str) -> bytes:
-    return f"data: {compact({'error': {'message': message, 'type': 'api_error'}})}\n\n".encode()
 
 
 class StreamState:
@@ -219,7 +238,7 @@ class StreamState:
 
     def __init__(self, added: Additions) -> None:
         self.added = added
-        self.inner = added.inner.StreamState(added.inner_added)
+        self.inner = added.inner.stream_state()
         self.text = ""
         self.sent = 0  # characters of text sent on as content
         self.started = False
@@ -239,6 +258,10 @@ class StreamState:
         if self.added.note not in (sampled.note or ""):
             sampled.note = "; ".join(filter(None, [sampled.note, self.added.note]))
         return sampled
+
+    @property
+    def events(self) -> int:
+        return int(self.inner.events)
 
     @property
     def gather_error(self) -> str | None:
@@ -338,14 +361,15 @@ class Decision:
     note: str | None = None
     original_path: str = ""
     original_body: bytes = b""
-    inner: Any = None
-    inner_added: Any = None
+    inner_added: Served | None = None  # the wire API's own additions, for the normal path should tokens-in fail
     timings_ms: dict[str, float] = field(default_factory=dict)
 
 
 def _post(url: str, payload: dict[str, Any], timeout: float = HTTP_TIMEOUT_S) -> Any:
-    request = urllib.request.Request(url, data=json.dumps(payload).encode(), method="POST",
-                                     headers={"content-type": "application/json"})  # fmt: skip
+    headers = {"content-type": "application/json"}
+    if key := os.environ.get("FORGE_UPSTREAM_API_KEY"):  # the policy server's key, as the addon sends it
+        headers["authorization"] = f"Bearer {key}"
+    request = urllib.request.Request(url, data=json.dumps(payload).encode(), method="POST", headers=headers)
     with urllib.request.urlopen(request, timeout=timeout) as answer:
         return json.load(answer)
 
@@ -392,8 +416,9 @@ class Continuations:
         return body.get("tool_choice") in (None, "auto", "none") and not body.get("response_format")
 
     async def examine(
-        self, api: str, episode_sequences: list[tuple[str, bytes]], body: dict[str, Any], added: Any, path: str
-    ) -> tuple[Decision, dict[str, Any] | None] | None:
+        self, api: str, episode_sequences: list[tuple[str, bytes]], body: dict[str, Any], added: Any, path: str,
+        bound: CompletionBound | None = None,
+    ) -> tuple[Decision, dict[str, Any] | None] | None:  # fmt: skip
         """For an eligible call with earlier calls in its episode: None (ids extend, or nothing to compare), or the
         decision and, when it is to be served tokens-in, the /v1/completions request."""
         if not episode_sequences or not self.eligible(api, body, added):
@@ -434,7 +459,8 @@ class Continuations:
         prompt = earlier + rendered_ids[split.end :]
         chat = added.chat if api == "messages" else added
         asked_max = any(isinstance(body.get(k), int) for k in ("max_tokens", "max_completion_tokens"))
-        request = completions_request(model, prompt, rendered, len(rendered_ids), asked_max, chat.stream)
+        served_max = bound.served(len(prompt)) if bound is not None else None  # what the record says it was served
+        request = completions_request(model, prompt, rendered, len(rendered_ids), asked_max, chat.stream, served_max)
         note = (f"served tokens-in: {len(earlier)} ids of an earlier call (re-tokenized from id {split.diverge}) + "
                 f"{len(rendered_ids) - split.end} rendered")  # fmt: skip
         decision = Decision("retokenized", note=note, original_path=path, original_body=b"", timings_ms=timings)
@@ -447,13 +473,14 @@ class Continuations:
         decision.state = "tokens_in"
         return decision, request
 
-    async def prepare(self, flow: Any, call: Any, episode_sequences: list[tuple[str, bytes]]) -> None:
-        """The addon's hook (``request``): examine the call; serve it tokens-in when it applies. Fail-open."""
+    async def prepare(self, flow: "http.HTTPFlow", call: "Call", episode_sequences: list[tuple[str, bytes]]) -> None:
+        """The addon's hook (``request``, after the wire API prepared the request and its completion bound was
+        set): examine the call; serve it tokens-in when it applies. Fail-open."""
         if self.mode == "off" or call.added is None or not episode_sequences or call.api not in ("chat", "messages"):
             return
         try:
             body = json.loads(flow.request.content or b"")
-            found = await self.examine(call.api, episode_sequences, body, call.added, flow.request.path)
+            found = await self.examine(call.api, episode_sequences, body, call.added, flow.request.path, call.bound)
         except Exception as error:
             call.continuation = Decision("error", note=f"tokens-in not examined ({type(error).__name__}: {error})")
             return
@@ -464,37 +491,38 @@ class Continuations:
         if request is None:
             return
         decision.original_body = flow.request.content or b""
-        decision.inner, decision.inner_added = call.module, call.added
-        chat = call.added.chat if call.api == "messages" else call.added
+        decision.inner_added = call.added
         call.added = Additions(
-            inner=call.module, inner_added=call.added, stream=chat.stream,
+            inner=call.added, stream=bool(request.get("stream")),
             tools=bool(body.get("tools")) and body.get("tool_choice") in (None, "auto"),
             prompt_ids=request["prompt"], note=decision.note or "",
         )  # fmt: skip
-        call.module = TokensInModule
         flow.request.path = COMPLETIONS_PATH
         flow.request.content = compact(request).encode()
 
-    async def fall_back(self, forge: Any, flow: Any, call: Any) -> bool:
+    async def fall_back(self, forge: "Forge", flow: "http.HTTPFlow", call: "Call") -> bool:
         """The tokens-in answer is an error: ask the normal path instead and give the harness that answer. True
         when the call was recorded here (a stream, passed through the inner module's stream state)."""
         from mitmproxy import http
 
         from sidecar.sse import EventFramer
 
-        decision: Decision = call.continuation
+        decision = call.continuation
         response = flow.response
+        assert decision is not None and decision.inner_added is not None and response is not None
         why = f"HTTP {response.status_code}: {(response.get_text(strict=False) or '')[:300]}"
         decision.state = "retokenized"
         decision.note = f"tokens-in failed ({why}); served by the normal path"
-        call.module, call.added = decision.inner, decision.inner_added
+        call.added = decision.inner_added
         flow.request.path = decision.original_path
         flow.request.content = decision.original_body
         url = f"{flow.request.scheme}://{flow.request.host}:{flow.request.port}{decision.original_path}"
+        headers = {"content-type": "application/json"}
+        if authorization := flow.request.headers.get("authorization"):  # the upstream's key, as the addon set it
+            headers["authorization"] = authorization
 
         def ask() -> tuple[int, bytes, str]:
-            request = urllib.request.Request(url, data=decision.original_body, method="POST",
-                                             headers={"content-type": "application/json"})  # fmt: skip
+            request = urllib.request.Request(url, data=decision.original_body, method="POST", headers=headers)
             try:
                 with urllib.request.urlopen(request, timeout=600) as answer:
                     return answer.status, answer.read(), answer.headers.get("content-type", "")
@@ -504,21 +532,12 @@ class Continuations:
         status, content, kind = await asyncio.to_thread(ask)
         flow.response = http.Response.make(status, content, {"content-type": kind or "application/json"})
         if status < 400 and call.added.stream and "text/event-stream" in kind:
-            call.stream = call.module.StreamState(call.added)
+            call.stream = call.added.stream_state()
             call.framer = EventFramer()
             out = forge._on_stream_data(flow, call, content) + forge._on_stream_data(flow, call, b"")
             flow.response.content = b"".join(out)
             return True
         return False
-
-
-class TokensInModule:
-    """Stands in for the wire API's module on a call served tokens-in (``call.module``)."""
-
-    StreamState = StreamState
-    finish = staticmethod(finish)
-    error_body = staticmethod(error_body)
-    error_event = staticmethod(error_event)
 
 
 def note_of(decision: Decision | None, note: str | None) -> str | None:

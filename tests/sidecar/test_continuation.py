@@ -5,13 +5,16 @@ The pure parts are checked on their own; the rest against the real vLLM server a
 with the records read back through the real collector (DuckDB over the Parquet store).
 """
 
+import asyncio
 import json
+from array import array
 
 import httpx
 import pytest
 
 from sidecar import continuation
-from sidecar.apis import messages, openai
+from sidecar.apis import bound_completion, messages, openai
+from sidecar.apis.base import Served
 from tests.sidecar.conftest import assert_sampled_by_vllm, read_calls, wait_for
 
 EOT = 2
@@ -64,6 +67,62 @@ def test_completions_request_carries_the_rendered_sampling_or_declines():
     assert continuation.completions_request("m", [1], structured, 1, asked_max=True, stream=False) is None
 
 
+def test_completions_request_takes_the_calls_bound_for_its_own_prompt():
+    rendered = {"sampling_params": {"max_tokens": 92}}  # vLLM's: the room the re-tokenized prompt (8 ids) left
+    body = continuation.completions_request("m", [1] * 7, rendered, 8, asked_max=True, stream=False, max_tokens=93)
+    assert body is not None and body["max_tokens"] == 93
+    assert continuation.completions_request("m", [1] * 7, rendered, 8, True, False, max_tokens=0) is None
+
+
+class _CannedServer(continuation.Continuations):
+    """vLLM's render and detokenize, canned: a context of 100 ids; the earlier answer's id 10 re-renders as 12 13."""
+
+    def __init__(self, rendered_ids: list[int]) -> None:
+        super().__init__("auto")
+        self.end_of_turn = {"m": EOT}
+        self.rendered_ids = rendered_ids
+
+    async def _call(self, path: str, payload: dict) -> dict:
+        if path == continuation.RENDER_PATH:
+            asked = payload.get("max_tokens") or 100
+            return {"token_ids": self.rendered_ids, "sampling_params": {"max_tokens": min(asked, 100 - 8)}}
+        return {"prompt": "the same text"}  # /detokenize: both spellings decode alike
+
+
+@pytest.mark.parametrize("asked", [None, 128_000, 50])
+def test_a_tokens_in_call_is_bounded_as_its_record_says(asked):
+    """The completion bound (apis.bound_completion) is set before continuation renders the call; vLLM renders
+    max_tokens for the re-tokenized prompt, whose length differs from the tokens-in prompt's. The /v1/completions
+    request is bounded by the call's bound for the prompt it is sent (what ``max_tokens_served`` records)."""
+    earlier = [1, 5, 6, 10, EOT]
+    rendered = [1, 5, 6, 12, 13, EOT, 198, 7]  # 8 ids; the tokens-in prompt is 7
+    body: dict = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "x"}],
+        **({"max_tokens": asked} if asked else {}),
+    }
+    bound = bound_completion("chat", body, cap=None, context=100)
+    added = openai.prepare_request("chat", body)
+    packed = array("i", earlier).tobytes()
+    server = _CannedServer(rendered)
+    found = asyncio.run(server.examine("chat", [("c0", packed)], body, added, "/v1/chat/completions", bound))
+    assert found is not None
+    decision, request = found
+    assert decision.state == "tokens_in" and request is not None
+    assert request["prompt"] == [1, 5, 6, 10, EOT, 198, 7]
+    assert request["max_tokens"] == bound.served(len(request["prompt"])) == min(asked or 100, 100 - 7)
+
+
+def test_tokens_in_additions_are_the_wire_apis_own():
+    """A call served tokens-in keeps the harness's format: a failed stream ends in its API's error event."""
+    body = {"model": "m", "max_tokens": 8, "stream": True, "messages": [{"role": "user", "content": "x"}]}
+    inner = messages.prepare_request("messages", body)
+    served: Served = continuation.Additions(inner, True, False, [1, 2], "")
+    assert served.api == "messages" and served.upstream_path == continuation.COMPLETIONS_PATH
+    assert served.error_event("broken") == inner.error_event("broken")
+    assert b"event: error" in served.error_event("broken")
+
+
 # -- against the real vLLM: the tokens-in answer is the normal path's ------------------------------------------
 READ_SCHEMA: dict = {"type": "object", "properties": {"path": {"type": "string"}}}
 TOOLS = [{"type": "function", "function": {"name": "read", "description": "read a file", "parameters": READ_SCHEMA}}]
@@ -90,17 +149,16 @@ def _serve(vllm, module, added, body: dict, tokens_in: bool) -> tuple[list[int],
                                                    len(rendered["token_ids"]), True, added_stream(added))  # fmt: skip
         assert request is not None
         chat = added.chat if module is messages else added
-        state_added = continuation.Additions(module, added, chat.stream, True, rendered["token_ids"], "")
-        path, payload, module = "/v1/completions", request, continuation.TokensInModule
-        added = state_added
+        added = continuation.Additions(added, chat.stream, True, rendered["token_ids"], "")
+        path, payload = "/v1/completions", request
     else:
         path, payload = ("/v1/chat/completions", body)
     answer = vllm.post(path, json=payload)
     assert answer.status_code == 200, answer.text
     if not added_stream(added):
-        sampled, out = module.finish(added, answer.json())
+        sampled, out = added.finish(answer.json())
         return sampled.completion_ids, out
-    state = module.StreamState(added)
+    state = added.stream_state()
     events = [e for raw in _sse_events(answer.text) for e in state.feed_event(raw)]
     return state.sampled.completion_ids, [e.decode() for e in events]
 
@@ -273,3 +331,24 @@ def test_observed_retokenization_forks_and_is_reported_as_such(start_sidecar, po
     retokenized = found.count("retokenized")
     assert len(segments) == 1 + retokenized and [c["cause"] for c in causes] == ["retokenization"] * retokenized
     assert [c["call_id"] for c in causes] == [c["call_id"] for c in calls if c["continuation"] == "retokenized"]
+
+
+@pytest.mark.integration
+def test_a_call_served_tokens_in_keeps_the_completion_bound(start_sidecar, policy_server):
+    """--max-completion-tokens and a harness's bound above the context (Claude Code's max_tokens=128000) bound a
+    streamed Messages call served tokens-in as they bound the normal path; the record says what was served."""
+    sidecar = start_sidecar(policy_server.base_url, episode_id=None,
+                            extra=("--trust-episode-header", "--max-completion-tokens", "7"))  # fmt: skip
+    with httpx.Client(base_url=sidecar.url, headers={"x-forge-episode-id": "ep-bound"}, timeout=300) as client:
+        first = [{"role": "user", "content": "Write six empty lines."}]
+        text1 = _chat(client, first, max_tokens=6, temperature=1.0, allowed_token_ids=[NEWLINE])
+        second = [*first, {"role": "assistant", "content": text1}, {"role": "user", "content": "Again, shorter."}]
+        answer = client.post("/v1/messages", json={"model": "claude-x", "max_tokens": 128_000, "temperature": 1.0,
+                                                   "messages": second, "stream": True})  # fmt: skip
+        assert answer.status_code == 200 and "message_stop" in answer.text, answer.text
+    calls = wait_for(lambda: (c := read_calls(sidecar.store)) and len(c) == 2 and c, what="2 records", timeout=60)
+    first_call, call = calls
+    assert call["status"] == "ok" and call["continuation"] == "tokens_in", (call["error"], call["note"])
+    assert call["parent_call_id"] == first_call["call_id"]
+    assert (call["max_tokens_requested"], call["max_tokens_served"]) == (128_000, 7)
+    assert 0 < len(call["completion_token_ids"]) <= 7
