@@ -212,15 +212,16 @@ class Demo:
         self.echo = echo
         self.rounds: list[RoundStats] = []
         self.files: dict[str, Path] = {}
+        self.started = time.monotonic()
 
     def run(self) -> list[RoundStats]:
         from trainer.serve import PolicyServer, default_checkpoint, free_port
 
         s = self.settings
         s.out.mkdir(parents=True, exist_ok=True)
+        self.started = time.monotonic()
         if s.store is None:
             Path(s.store_uri).mkdir(exist_ok=True)
-        started = time.monotonic()
         mini = find_harness(s.harness)
         tasks = demo_tasks(s, mini)
         self.echo(f"forge demo: run {s.run}: {len(tasks)} tasks × {s.rollouts} rollouts × {s.rounds} rounds through "
@@ -238,7 +239,7 @@ class Demo:
         finally:
             if server is not None:
                 server.stop()
-        self.finish(time.monotonic() - started)
+        self.finish(time.monotonic() - self.started)
         return self.rounds
 
     def _rounds(self, tasks: list[Task], policy_url: str) -> None:
@@ -292,23 +293,30 @@ class Demo:
                           f"difference {metrics['probe_diff']:.1e})")  # fmt: skip
             self.rounds.append(stats)
             self.echo(summary_table(self.rounds[-1:]).splitlines()[-1])
+            self.save(time.monotonic() - self.started)  # a run stopped later keeps the rounds it finished
         self.files["metrics"] = metrics_file
 
-    def finish(self, wall_s: float) -> None:
+    def save(self, wall_s: float) -> str:
+        """summary.json, summary.txt and the plot of the rounds so far."""
         s = self.settings
         table = summary_table(self.rounds)
         plot = s.out / "rounds.png"
         update = f"LoRA r={s.lora_rank}" if s.lora_rank else "full weights"
         plot_rounds(self.rounds, plot, f"forge demo {s.run}: {s.tasks} tasks × {s.rollouts} rollouts, {update}")
         self.files["plot"] = plot
-        page = self.episode_page()
-        if page:
-            self.files["episode"] = page
         summary = s.out / "summary.json"
         rounds = [dataclasses.asdict(r) for r in self.rounds]
         summary.write_text(json.dumps({"run": s.run, "wall_s": wall_s, "rounds": rounds}, indent=1))
         self.files["summary"] = summary
         (s.out / "summary.txt").write_text(table + "\n")
+        return table
+
+    def finish(self, wall_s: float) -> None:
+        s = self.settings
+        table = self.save(wall_s)
+        page = self.episode_page()
+        if page:
+            self.files["episode"] = page
         self.echo("")
         self.echo(table)
         for stats in self.rounds:
