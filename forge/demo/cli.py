@@ -9,7 +9,7 @@ from forge.errors import ForgeError
 
 
 @click.command("demo")
-@click.option("--tasks", "n_tasks", type=int, default=4, show_default=True,
+@click.option("--tasks", "n_tasks", type=int, default=2, show_default=True,
               help="How many of the shipped tasks (forge/demo/tasks/tasks.jsonl) to run.")  # fmt: skip
 @click.option("--rollouts", type=int, default=4, show_default=True, help="Rollouts per task per round (GRPO's G).")
 @click.option("--rounds", type=int, default=3, show_default=True, help="Rounds: rollouts, then one update each.")

@@ -37,7 +37,7 @@ class DemoSettings:
     run: str
     store: str | None = None  # default: <out>/store
     s3_endpoint: str | None = None
-    tasks: int = 4
+    tasks: int = 2
     rollouts: int = 4  # G: rollouts per task per round (one GRPO group)
     rounds: int = 3
     concurrency: int = 4
