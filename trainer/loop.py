@@ -220,11 +220,14 @@ class Trainer:
             if served not in (None, "None", "default", "0"):
                 self.echo(f"forge train: the policy server reported version {served}; it is now version 0 of run "
                           f"{self.settings.run}")  # fmt: skip
+
             # v0 is the base checkpoint: loaded whatever the server served before, verified with the first batch.
-            if self.settings.lora_rank:
-                self._switch(lambda: self.client.unload_adapter(self.adapter_name), 0)
-            else:
-                self._switch(lambda: self.client.load_full(self.model_dir), 0)
+            def load_base() -> None:  # with LoRA too: the adapter's base is the base checkpoint, whatever was served
+                if self.settings.lora_rank:
+                    self.client.unload_adapter(self.adapter_name)
+                self.client.load_full(self.model_dir)
+
+            self._switch(load_base, 0)
             self._verify_v0 = True
         elif served != str(self.state.version):
             self.echo(f"forge train: resuming at v{self.state.version}; the server had {served}: re-publishing")

@@ -50,7 +50,7 @@ PROBE_IDS = [
     1, 4093, 198, 5820, 253, 9552, 1230, 284, 1643, 1701, 357, 314, 9552, 30, 2, 198, 1, 520, 9531, 198, 40357, 42,
     805, 582, 284, 4962, 10335, 357, 30, 2, 198,
 ]  # fmt: skip
-PROBE_TOKEN = 1  # the forced continuation: `<|im_start|>`, SmolLM2's next token after a turn's end
+PROBE_TOKEN = 198  # the forced continuation ("\n": a plain token; a stop token would end or be masked)
 PROBE_STEPS = 8  # forced tokens after PROBE_IDS: the probe's 8 positions (1 prefill + 7 decode steps)
 # Mean |server − trainer| over the probe a landed publish stays under (fp32 serving measured ~1e-5; bf16 ~5e-2).
 TOLERANCE = {"float32": 2e-4, "bfloat16": 1.5e-1, "float16": 5e-2, "auto": 1.5e-1}
@@ -95,7 +95,7 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dic
         out.write(len(encoded).to_bytes(8, "little") + encoded)
         for tensor in tensors.values():
             if tensor.numel():
-                out.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+                out.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
 
 
 def write_checkpoint(
@@ -235,7 +235,7 @@ class PolicyClient:
     def probe_logprobs(self, model: str, prompt: list[int], token: int, steps: int) -> list[float]:
         """The server's logprobs of ``token`` repeated ``steps`` times after ``prompt`` (greedy, restricted to it)."""
         answer = self._post("/v1/completions", {
-            "model": model, "prompt": prompt, "max_tokens": steps, "min_tokens": steps, "temperature": 0,
+            "model": model, "prompt": prompt, "max_tokens": steps, "ignore_eos": True, "temperature": 0,
             "allowed_token_ids": [token], "logprobs": 0, "return_token_ids": True, "cache_salt": uuid.uuid4().hex,
         }, what="the probe")  # fmt: skip
         choice = answer["choices"][0]

@@ -37,7 +37,7 @@ from forge.errors import ForgeError
     "--kl-coef", type=float, default=0.0, show_default=True,
     help="KL loss to the reference (the base weights; with LoRA the adapter disabled); 0: none.",
 )  # fmt: skip
-@click.option("--kl-type", default="low_var_kl", show_default=True, help="veRL's kl_penalty (kl, abs, mse, low_var_kl).")
+@click.option("--kl-type", default="low_var_kl", show_default=True, help="veRL kl_penalty: kl, abs, mse, low_var_kl.")
 @click.option(
     "--model", "model_dir", type=click.Path(path_type=Path), help="Base HF checkpoint (default: prepared fp32)."
 )

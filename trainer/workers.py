@@ -33,14 +33,16 @@ def _forge_worker_class() -> type:
     from verl.single_controller.base.decorator import Dispatch, register
     from verl.workers.engine_workers import TrainingWorker
 
+    one_to_all = Dispatch.ONE_TO_ALL  # type: ignore[attr-defined]  # veRL adds its members at import
+
     class ForgeTrainingWorker(TrainingWorker):
         """veRL's TrainingWorker plus what publishing needs on every rank."""
 
-        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        @register(dispatch_mode=one_to_all)
         def freeze_tied_embedding(self, settings: EngineSettings) -> bool:
             return freeze_tied_embedding(self, settings)
 
-        @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+        @register(dispatch_mode=one_to_all)
         def save_weights(self, folder: str, lora: bool, base_model: str) -> None:
             save_weights(self, Path(folder), lora, Path(base_model))
 
@@ -68,11 +70,12 @@ class RayPolicyEngine:
         worker_cfg, self.actor_config = worker_config(settings)
         # max_colocate_count=1: one rank per placement bundle (veRL's default of 10 hangs on a CPU).
         pool = RayResourcePool(process_on_nodes=[workers], use_gpu=gpu, max_colocate_count=1)
-        self.group = RayWorkerGroup(
+        group: Any = RayWorkerGroup(
             resource_pool=pool, ray_cls_with_init=RayClassWithInitArgs(ray.remote(_forge_worker_class()),
                                                                        config=worker_cfg),
             device_name="cuda" if gpu else "cpu",
         )  # fmt: skip
+        self.group = group  # its methods are bound from the worker class at run time
         self.group.reset()
         self.group.set_loss_fn(partial(ppo_loss, config=self.actor_config))
         self.frozen_tied_embedding = bool(self.group.freeze_tied_embedding(settings)[0])
