@@ -20,7 +20,14 @@ from typing import Any
 import torch
 
 from trainer import cpu_platform
-from trainer.engine import EngineSettings, freeze_tied_embedding, save_weights, to_engine_input, worker_config
+from trainer.engine import (
+    EngineSettings,
+    freeze_tied_embedding,
+    init_distributed,
+    save_weights,
+    to_engine_input,
+    worker_config,
+)
 
 cpu_platform.enable()
 
@@ -37,6 +44,11 @@ def _forge_worker_class() -> type:
 
     class ForgeTrainingWorker(TrainingWorker):
         """veRL's TrainingWorker plus what publishing needs on every rank."""
+
+        def __init__(self, config: Any) -> None:
+            if not cpu_platform.on_gpu():  # veRL would ask for "cpu:gloo,cpu:gloo": one gloo group, from Ray's env
+                init_distributed()
+            super().__init__(config)
 
         @register(dispatch_mode=one_to_all)
         def freeze_tied_embedding(self, settings: EngineSettings) -> bool:

@@ -311,11 +311,20 @@ def test_resume_after_kill_9_continues_from_the_committed_step_without_retrainin
     assert http.get("/weight_info").json()["weight_version"] == "2"
 
 
+def stored_calls(store: str) -> list[dict]:
+    """The sidecar's call records once its first file is in the store (none yet: [])."""
+    from tests.sidecar.conftest import read_calls
+
+    if not list(Path(store).rglob("*.parquet")):
+        return []
+    return read_calls(store)
+
+
 # ---- publishing while calls are in flight (the sidecar records what served them) ----------------------------------
 def test_a_call_in_flight_across_a_publish_is_frozen_then_recorded_with_both_versions(trainer, server, tmp_path):
     """The server computes nothing between the load and the new version (paused: the call is kept, not aborted),
     so the call that spans the publish ends after it and the sidecar records it as v → v+1."""
-    from tests.sidecar.conftest import SidecarFactory, read_calls, wait_for
+    from tests.sidecar.conftest import SidecarFactory, wait_for
 
     sidecars = SidecarFactory(tmp_path)
     try:
@@ -358,7 +367,7 @@ def test_a_call_in_flight_across_a_publish_is_frozen_then_recorded_with_both_ver
         assert chunks[-1] > window[1]  # ... and the call went on after the resume (kept, not aborted)
         httpx.post(f"{sidecar.url}/v1/chat/completions", timeout=300,
                    json={"model": server.name, "messages": QUESTION, "max_tokens": 4}).raise_for_status()  # fmt: skip
-        calls = wait_for(lambda: len(rows := read_calls(sidecar.store)) == 2 and rows, timeout=60, what="2 calls")
+        calls = wait_for(lambda: len(rows := stored_calls(sidecar.store)) == 2 and rows, timeout=60, what="2 calls")
         calls.sort(key=lambda c: c["seq"])
         assert calls[0]["status"] == "ok" and len(calls[0]["completion_token_ids"]) == 512
         assert [(c["policy_version"], c["policy_version_end"]) for c in calls] == [
@@ -370,7 +379,7 @@ def test_a_call_in_flight_across_a_publish_is_frozen_then_recorded_with_both_ver
 
 # ---- LoRA: an adapter learned, published (unload + load), verified, served; KL to the base -------------------------
 def test_a_lora_step_publishes_a_verified_adapter_that_the_sidecar_records(trainer, server, http, prompt, tmp_path):
-    from tests.sidecar.conftest import SidecarFactory, read_calls, wait_for
+    from tests.sidecar.conftest import SidecarFactory, wait_for
     from trainer.loop import Trainer, TrainSettings
 
     trainer.close()  # the full-weight engine's memory back before the LoRA one loads
@@ -405,7 +414,7 @@ def test_a_lora_step_publishes_a_verified_adapter_that_the_sidecar_records(train
                            extra=("--model-map", f"*={lora.adapter_name}"))  # fmt: skip
         httpx.post(f"{sidecar.url}/v1/chat/completions", timeout=300,
                    json={"model": "gpt-x", "messages": QUESTION, "max_tokens": 4}).raise_for_status()  # fmt: skip
-        calls = wait_for(lambda: read_calls(sidecar.store), timeout=60, what="the call's record")
+        calls = wait_for(lambda: stored_calls(sidecar.store), timeout=60, what="the call's record")
         assert (calls[0]["policy_version"], calls[0]["policy_version_end"]) == ("1", "1")
         assert calls[0]["model_served"] == lora.adapter_name and calls[0]["status"] == "ok"
     finally:

@@ -3,8 +3,6 @@ as one rank in this process. The real SmolLM2 in veRL; no policy server (the upd
 own logprobs, which a publish then verifies against vLLM the same way for either engine).
 """
 
-import gc
-
 import pytest
 import torch
 
@@ -14,8 +12,9 @@ from trainer.publish import PROBE_IDS
 pytestmark = pytest.mark.integration
 
 # fp32, the same batch and seed: the ranks reduce the gradient in another order (gloo's all-reduce of two halves),
-# so the updated weights differ by rounding only. 1e-4 nat on the probe: the update itself moves it by ~1e-2.
-SAME_UPDATE = 1e-4
+# so the updated weights differ by rounding only — which Adam's first step (≈ lr·sign(g)) amplifies where a gradient
+# is near 0. Measured: max |Δ| 4.0e-5 nat over the probe, against an update that moves it by 0.16 nat (mean).
+SAME_UPDATE = 2e-4
 
 
 def batch() -> dict[str, torch.Tensor]:
@@ -50,19 +49,18 @@ def test_two_ray_ranks_give_the_same_update_as_one_in_process(prepared_model):
     from trainer.workers import RayPolicyEngine
 
     settings = EngineSettings(model_dir=prepared_model.train_dir, lr=1e-4)
-    local = PolicyEngine(settings)
-    before_1, after_1, old_1 = one_update(local)
-    del local
-    gc.collect()
-    ray_engine = RayPolicyEngine(settings, workers=2)
+    ray_engine = RayPolicyEngine(settings, workers=2)  # first, and shut down before this process loads its own
     try:
         assert ray_engine.frozen_tied_embedding  # the same rule on every rank
         before_2, after_2, old_2 = one_update(ray_engine)
     finally:
         ray_engine.close()
+    before_1, after_1, old_1 = one_update(PolicyEngine(settings))
     moved = (after_1 - before_1).abs().mean().item()
     differ = (after_2 - after_1).abs().max().item()
-    print(f"update moved the probe by {moved:.2e} (mean); 2 ranks vs 1: max |Δ| {differ:.2e} (bound {SAME_UPDATE})")
+    mean = (after_2 - after_1).abs().mean().item()
+    print(f"update moved the probe by {moved:.2e} (mean); 2 ranks vs 1: max |Δ| {differ:.2e}, mean {mean:.2e} "
+          f"(bound {SAME_UPDATE})")  # fmt: skip
     assert (before_2 - before_1).abs().max() < 1e-5 and (old_2 - old_1).abs().max() < 1e-5  # the same start
-    assert moved > 10 * SAME_UPDATE  # the update is large enough for the comparison to mean something
+    assert moved > 100 * SAME_UPDATE  # the update is large enough for the comparison to mean something
     assert differ < SAME_UPDATE
