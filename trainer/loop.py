@@ -86,6 +86,7 @@ class TrainSettings:
     idle_seconds: float = 600.0
     kl_coef: float = 0.0  # > 0: veRL's KL loss to the reference (the base weights; with LoRA, the adapter disabled)
     kl_type: str = "low_var_kl"  # veRL's kl_penalty by name
+    workers_per_node: int = 0  # --workers over several nodes: ranks per node (0: all on one)
 
 
 @dataclass
@@ -156,6 +157,9 @@ class Trainer:
             raise ForgeError("--steps and --episodes-per-step must be ≥ 1, --staleness ≥ 0")
         if settings.workers < 1:
             raise ForgeError("--workers must be ≥ 1")
+        per_node = settings.workers_per_node
+        if per_node < 0 or (per_node and settings.workers % per_node):
+            raise ForgeError("--workers-per-node must divide --workers")
         if not (settings.kl_coef >= 0 and math.isfinite(settings.kl_coef)) or settings.kl_type not in KL_TYPES:
             raise ForgeError(f"--kl-coef must be a number ≥ 0 and --kl-type one of {', '.join(KL_TYPES)}")
         if settings.kl_coef > 0 and settings.workers > 1 and not settings.lora_rank:
@@ -203,7 +207,7 @@ class Trainer:
             if s.workers > 1:
                 from trainer.workers import RayPolicyEngine
 
-                self._engine = RayPolicyEngine(engine_settings, s.workers)
+                self._engine = RayPolicyEngine(engine_settings, s.workers, s.workers_per_node)
             else:
                 self._engine = PolicyEngine(engine_settings)
             if self.state.engine_checkpoint:

@@ -34,6 +34,9 @@ from forge.errors import ForgeError
     help="FSDP ranks: 1 in this process; W > 1 as a Ray worker group (a local Ray, or RAY_ADDRESS's cluster).",
 )  # fmt: skip
 @click.option(
+    "--workers-per-node", type=int, default=0, help="Ranks per node on a Ray cluster (default: all on one node)."
+)
+@click.option(
     "--kl-coef", type=float, default=0.0, show_default=True,
     help="KL loss to the reference (the base weights; with LoRA the adapter disabled); 0: none.",
 )  # fmt: skip

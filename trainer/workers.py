@@ -64,7 +64,7 @@ def _forge_worker_class() -> type:
 class RayPolicyEngine:
     """``PolicyEngine``'s interface over W ranks in a Ray worker group."""
 
-    def __init__(self, settings: EngineSettings, workers: int) -> None:
+    def __init__(self, settings: EngineSettings, workers: int, per_node: int = 0) -> None:
         import ray
         from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
         from verl.workers.utils.losses import ppo_loss
@@ -81,7 +81,8 @@ class RayPolicyEngine:
         gpu = cpu_platform.on_gpu()
         worker_cfg, self.actor_config = worker_config(settings)
         # max_colocate_count=1: one rank per placement bundle (veRL's default of 10 hangs on a CPU).
-        pool = RayResourcePool(process_on_nodes=[workers], use_gpu=gpu, max_colocate_count=1)
+        per_node = per_node or workers  # ranks per node (GPUs per node on a cluster); 0: all on one node
+        pool = RayResourcePool(process_on_nodes=[per_node] * (workers // per_node), use_gpu=gpu, max_colocate_count=1)
         group: Any = RayWorkerGroup(
             resource_pool=pool, ray_cls_with_init=RayClassWithInitArgs(ray.remote(_forge_worker_class()),
                                                                        config=worker_cfg),

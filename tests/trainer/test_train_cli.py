@@ -14,6 +14,9 @@ def test_train_is_listed_and_its_missing_arguments_fail_in_one_line():
     assert result.exit_code == 2 and "needs --store and --policy-url" in result.output
     result = runner.invoke(cli, ["train", "--store", "x", "--policy-url", "http://h", "--workers", "0"])
     assert result.exit_code == 2 and "--workers must be ≥ 1" in result.output
+    result = runner.invoke(cli, ["train", "--store", "x", "--policy-url", "http://h", "--workers", "3",
+                                 "--workers-per-node", "2"])  # fmt: skip
+    assert result.exit_code == 2 and "--workers-per-node must divide --workers" in result.output
     result = runner.invoke(cli, ["train", "--store", "x", "--policy-url", "http://h", "--kl-coef", "nan"])
     assert result.exit_code == 2 and "--kl-coef must be a number ≥ 0" in result.output
     result = runner.invoke(cli, ["train", "--store", "x", "--policy-url", "http://h", "--kl-type", "bogus"])
