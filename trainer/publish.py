@@ -226,8 +226,10 @@ class PolicyClient:
         self._post("/update_weight_version", {"new_version": str(version)}, what="update_weight_version")
 
     def pause(self) -> None:
-        """Stop computing: calls in flight are frozen (kept, not aborted), new ones queue until ``resume``."""
-        self._post("/pause?mode=keep", what="pause")
+        """Stop computing: calls in flight are frozen (kept, not aborted), new ones queue until ``resume``.
+        ``clear_cache=false``: vLLM 0.32 would otherwise reset the prefix cache at the pause (its API calls the flag
+        deprecated and ignored with ``keep``; its engine still honours it); the reset after the load is ours."""
+        self._post("/pause?mode=keep&clear_cache=false", what="pause")
 
     def resume(self) -> None:
         self._post("/resume", what="resume")
