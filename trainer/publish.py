@@ -225,11 +225,12 @@ class PolicyClient:
     def set_version(self, version: int) -> None:
         self._post("/update_weight_version", {"new_version": str(version)}, what="update_weight_version")
 
-    def pause(self) -> None:
-        """Stop computing: calls in flight are frozen (kept, not aborted), new ones queue until ``resume``.
-        ``clear_cache=false``: vLLM 0.32 would otherwise reset the prefix cache at the pause (its API calls the flag
-        deprecated and ignored with ``keep``; its engine still honours it); the reset after the load is ours."""
-        self._post("/pause?mode=keep&clear_cache=false", what="pause")
+    def pause(self, clear_cache: bool = True) -> None:
+        """Stop computing: calls in flight are kept (not aborted), new ones queue until ``resume``. With
+        ``clear_cache`` (vLLM 0.32 honours it with ``keep``, though its API calls it ignored) the engine also drops
+        the prefix cache and preempts the calls in flight: they keep their tokens and recompute their KV after the
+        resume, with the new weights. Without it a later ``/reset_prefix_cache`` fails while they hold blocks."""
+        self._post(f"/pause?mode=keep&clear_cache={str(clear_cache).lower()}", what="pause")
 
     def resume(self) -> None:
         self._post("/resume", what="resume")

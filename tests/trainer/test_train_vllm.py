@@ -257,6 +257,8 @@ def test_after_a_publish_no_call_is_served_from_old_weight_prefix_cache(trainer,
     reset = trainer.client.reset_prefix_cache
     with pytest.MonkeyPatch.context() as patch:  # the control: the same publish without the reset
         patch.setattr(trainer.client, "reset_prefix_cache", lambda: None)
+        pause = trainer.client.pause
+        patch.setattr(trainer.client, "pause", lambda: pause(clear_cache=False))  # nor vLLM's own at the pause
         trainer.publish(4)  # new weights load and verify (the probe is never served from the cache) ...
     stale = served_then_teacher_forced()
     assert stale > 1e-3  # ... but the cached context's old-weight KV still shapes what the server samples
