@@ -387,6 +387,7 @@ def test_a_lora_step_publishes_a_verified_adapter_that_the_sidecar_records(train
     trainer.close()  # the full-weight engine's memory back before the LoRA one loads
     gc.collect()
     store = tmp_path / "lora-store"
+    store.mkdir()
     lora = Trainer(TrainSettings(store=str(store), policy_url=server.base_url, run="lora", steps=1,
                                  episodes_per_step=4, wait_timeout=60, poll_seconds=0.5, lora_rank=8, lr=1e-4,
                                  kl_coef=0.1))  # fmt: skip
