@@ -280,8 +280,10 @@ class Trainer:
             "publish_s": sum(published.seconds.values()), **{f"publish_{k}_s": v for k, v in published.seconds.items()},
             "probe_diff": published.probe_diff, "probe_diff_old": published.probe_diff_old,
         })  # fmt: skip
-        if s.kl_coef > 0:
-            metrics["kl_ref"] = _first(update, "actor/kl_loss")
+        if s.kl_coef > 0:  # veRL's ppo_loss reports it as "kl_loss" (no "actor/" prefix)
+            metrics["kl_ref"] = _first(update, "kl_loss")
+            if not math.isfinite(metrics["kl_ref"]):
+                raise ForgeError("veRL reported no finite kl_loss with --kl-coef: the KL term did not run")
         return metrics
 
     def wait_for_episodes(self) -> tuple[pa.Table, list[str], list[str], list[int]]:
