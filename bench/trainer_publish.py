@@ -1,5 +1,6 @@
 """Publish seconds: from the end of an update to a verified new version being served, split into checkpoint
-write, load (reload or adapter unload+load, prefix-cache reset, version) and verification (probe logprobs).
+write, load (pause, reload or adapter unload+load, prefix-cache reset, version, resume) and verification (the
+server's probe; the trainer's probe of the new weights runs beside the load, and "verify" is only what is left of it).
 
 Starts its own vLLM server (fp32 SmolLM2 on CPU) unless --policy-url names one whose weights it may change.
 
@@ -7,6 +8,7 @@ Starts its own vLLM server (fp32 SmolLM2 on CPU) unless --policy-url names one w
 """
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -66,6 +68,7 @@ def main() -> None:
                   f"(old weights {result.probe_diff_old:.1e})")  # fmt: skip
         kind = f"LoRA r={args.lora_rank} adapter" if args.lora_rank else "full weights (fp32, 135M params)"
         medians = {k: statistics.median(v) for k, v in seconds.items()}
+        print(f"load average during the run: {' '.join(f'{x:.2f}' for x in os.getloadavg())} (1/5/15 min)")
         print(
             f"publish, {kind}: median {sum(medians.values()):.2f} s = "
             + " + ".join(f"{k} {v:.2f}" for k, v in medians.items())

@@ -31,6 +31,7 @@ class EngineSettings:
     clip_ratio: float = 0.2
     entropy_coeff: float = 0.0
     kl_coef: float = 0.0  # > 0: KL to the initial weights (the LoRA base, or a reference copy) in the loss
+    kl_type: str = "low_var_kl"  # a name veRL's core_algos.kl_penalty knows: kl/k1, abs, mse/k2, low_var_kl/k3, ...
     # Tokens per micro-batch (veRL's dynamic batch size); a row longer than this gets a micro-batch of its own.
     max_token_len: int = 16384
     # Recompute each layer's activations in the backward pass (~1.3x the compute): without it a micro-batch keeps
@@ -96,6 +97,7 @@ def worker_config(settings: EngineSettings) -> tuple[Any, Any]:
         rollout_n=1, use_dynamic_bsz=True, fsdp_config=engine, optim=optim,
         clip_ratio=settings.clip_ratio, clip_ratio_low=settings.clip_ratio, clip_ratio_high=settings.clip_ratio,
         entropy_coeff=settings.entropy_coeff, use_kl_loss=settings.kl_coef > 0, kl_loss_coef=settings.kl_coef,
+        kl_loss_type=settings.kl_type,
         ppo_max_token_len_per_gpu=settings.max_token_len,
     )  # fmt: skip
     return worker, actor
@@ -116,8 +118,53 @@ def to_engine_input(tensors: dict[str, torch.Tensor], max_token_len: int | None 
     return data
 
 
+def freeze_tied_embedding(worker: Any, settings: EngineSettings) -> bool:
+    """Keep a tied input/output embedding fixed: vLLM's (0.32, CPU) ``reload_weights`` updates every weight but
+    a tied ``lm_head``, which keeps the values it started with (measured: after a reload the server equals the new
+    body with the old lm_head to 8e-6, and the new weights only to 1.8e-3 after four steps). A publish could then
+    never land exactly; with the embedding fixed it does. Untied models and LoRA train everything as usual."""
+    module = worker.engine.module
+    config = getattr(module, "config", None)
+    if not settings.freeze_tied_embedding or not getattr(config, "tie_word_embeddings", False) or settings.lora_rank:
+        return False
+    module.get_input_embeddings().weight.requires_grad_(False)
+    return True
+
+
+def save_weights(worker: Any, folder: Path, lora: bool, base_model: Path) -> None:
+    """The weights as vLLM loads them, into ``folder``: ``model.safetensors`` (full weights, HF names) or a LoRA
+    adapter (``adapter_model.safetensors`` + ``adapter_config.json``). Every rank gathers (FSDP2's full tensors are
+    a collective); rank 0 writes, straight from the gathered tensors (``trainer.publish.save_safetensors``)."""
+    import json
+
+    import torch.distributed as dist
+
+    from trainer.publish import json_value, save_safetensors
+
+    engine: Any = worker.engine
+    params, peft_config = engine.get_per_tensor_param(base_sync_done=True) if lora else engine.get_per_tensor_param()
+    tensors: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, tensor in params:
+        tensor = tensor.detach().to("cpu").contiguous()
+        if tensor.data_ptr() in seen:  # tied weights (SmolLM2's lm_head is its embedding): stored once
+            continue
+        seen.add(tensor.data_ptr())
+        tensors[name] = tensor
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    if lora:
+        save_safetensors(tensors, folder / "adapter_model.safetensors", metadata={"format": "pt"})
+        config = peft_config.to_dict() if hasattr(peft_config, "to_dict") else dict(peft_config)
+        config["base_model_name_or_path"] = str(base_model)
+        (folder / "adapter_config.json").write_text(json.dumps(config, indent=1, default=json_value))
+    else:
+        save_safetensors(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+
 class PolicyEngine:
-    """One FSDP2 TrainingWorker in this process (rank 0 of 1)."""
+    """One FSDP2 TrainingWorker in this process (rank 0 of 1); with ``kl_coef`` and full weights, a second one
+    holding the reference (the initial weights, never updated). With LoRA the reference is the adapter disabled."""
 
     def __init__(self, settings: EngineSettings) -> None:
         from verl.workers.engine_workers import TrainingWorker
@@ -125,34 +172,32 @@ class PolicyEngine:
 
         init_distributed()
         self.settings = settings
+        self.workers = 1
         worker_cfg, self.actor_config = worker_config(settings)
         self.worker = TrainingWorker(worker_cfg)
         self.worker.reset()
         self.worker.set_loss_fn(partial(ppo_loss, config=self.actor_config))
-        self.frozen_tied_embedding = settings.freeze_tied_embedding and self._freeze_tied_embedding()
+        self.frozen_tied_embedding = freeze_tied_embedding(self.worker, settings)
+        self.reference: Any = None
+        if settings.kl_coef > 0 and not settings.lora_rank:
+            self.reference = TrainingWorker(worker_config(settings)[0])
+            self.reference.reset()
 
-    def _freeze_tied_embedding(self) -> bool:
-        """Keep a tied input/output embedding fixed: vLLM's (0.32, CPU) ``reload_weights`` updates every weight but
-        a tied ``lm_head``, which keeps the values it started with (measured: after a reload the server equals the new
-        body with the old lm_head to 8e-6, and the new weights only to 1.8e-3 after four steps). A publish could then
-        never land exactly; with the embedding fixed it does. Untied models and LoRA train everything as usual."""
-        engine: Any = self.worker.engine
-        module = engine.module
-        config = getattr(module, "config", None)
-        if not getattr(config, "tie_word_embeddings", False) or self.settings.lora_rank:
-            return False
-        module.get_input_embeddings().weight.requires_grad_(False)
-        return True
-
-    def log_probs(self, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The current weights' logprobs and entropies of each response token, padded like ``responses``."""
+    def log_probs(self, tensors: dict[str, torch.Tensor], reference: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The current (or the reference) weights' logprobs and entropies of each response token, padded like
+        ``responses``."""
         from verl.utils import tensordict_utils as tu
         from verl.workers.utils.padding import no_padding_2_padding
 
-        data = to_engine_input(tensors, self.settings.max_token_len, compute_loss=False, calculate_entropy=True)
-        output = self.worker.infer_batch(data)
+        meta = {"no_lora_adapter": True} if reference and self.settings.lora_rank else {}
+        data = to_engine_input(
+            tensors, self.settings.max_token_len, compute_loss=False, calculate_entropy=not reference, **meta
+        )
+        worker = self.reference if reference and self.reference is not None else self.worker
+        output = worker.infer_batch(data)
         log_probs = no_padding_2_padding(tu.get(output, "log_probs"), data).float()
-        entropy = no_padding_2_padding(tu.get(output, "entropy"), data).float()
+        entropy = tu.get(output, "entropy")
+        entropy = no_padding_2_padding(entropy, data).float() if entropy is not None else torch.zeros_like(log_probs)
         return log_probs, entropy
 
     def update(self, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -176,9 +221,15 @@ class PolicyEngine:
         params, _ = engine.get_per_tensor_param()
         return params, None
 
+    def save_weights(self, folder: Path) -> None:
+        save_weights(self.worker, folder, bool(self.settings.lora_rank), self.settings.model_dir)
+
     def save(self, directory: Path, step: int) -> None:
         """Model shards, optimizer state and RNG (veRL's checkpoint manager), for --resume."""
         self.worker.save_checkpoint(str(directory), global_step=step)
 
     def load(self, directory: Path) -> None:
         self.worker.load_checkpoint(str(directory), del_local_after_load=False)
+
+    def close(self) -> None:
+        pass

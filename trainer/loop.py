@@ -26,6 +26,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,8 @@ from sidecar.store import open_store
 from trainer.batch import Batch, episode_advantages, padded, parse_version, rows_from_segments
 from trainer.publish import (
     PROBE_IDS,
+    PROBE_STEPS,
+    PROBE_TOKEN,
     TOLERANCE,
     PolicyClient,
     PublishError,
@@ -50,6 +53,8 @@ from trainer.publish import (
     mean_abs_diff,
     write_checkpoint,
 )
+
+KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "k2+", "k3+", "low_var_kl+")
 
 CORRECTIONS = ("bypass", "decoupled")
 
@@ -79,6 +84,9 @@ class TrainSettings:
     s3_endpoint: str | None = None
     state_dir: Path | None = None
     idle_seconds: float = 600.0
+    kl_coef: float = 0.0  # > 0: veRL's KL loss to the reference (the base weights; with LoRA, the adapter disabled)
+    kl_type: str = "low_var_kl"  # veRL's kl_penalty by name
+    workers_per_node: int = 0  # --workers over several nodes: ranks per node (0: all on one)
     max_token_len: int | None = None  # tokens per micro-batch (veRL's dynamic batch size); None: the engine's
     gradient_checkpointing: bool = False  # less memory per micro-batch, ~1.3x the compute (trainer.engine)
 
@@ -149,6 +157,15 @@ class Trainer:
             raise ForgeError(f"--correction must be one of {', '.join(CORRECTIONS)}")
         if settings.steps < 1 or settings.episodes_per_step < 1 or settings.staleness < 0:
             raise ForgeError("--steps and --episodes-per-step must be ≥ 1, --staleness ≥ 0")
+        if settings.workers < 1:
+            raise ForgeError("--workers must be ≥ 1")
+        per_node = settings.workers_per_node
+        if per_node < 0 or (per_node and settings.workers % per_node):
+            raise ForgeError("--workers-per-node must divide --workers")
+        if not (settings.kl_coef >= 0 and math.isfinite(settings.kl_coef)) or settings.kl_type not in KL_TYPES:
+            raise ForgeError(f"--kl-coef must be a number ≥ 0 and --kl-type one of {', '.join(KL_TYPES)}")
+        if settings.kl_coef > 0 and settings.workers > 1 and not settings.lora_rank:
+            raise ForgeError("--kl-coef with full weights needs --workers 1 (or use --lora-rank): not built for Ray")
         self.collector = Collector(settings.store, settings.s3_endpoint, idle_seconds=settings.idle_seconds,
                                    progress=False)  # fmt: skip
         self.store = open_store(settings.store, settings.s3_endpoint)
@@ -187,11 +204,17 @@ class Trainer:
             from trainer.engine import EngineSettings, PolicyEngine
 
             s = self.settings
-            engine = EngineSettings(model_dir=self.model_dir, lora_rank=s.lora_rank, lr=s.lr, loss_mode=s.loss_mode,
-                                    gradient_checkpointing=s.gradient_checkpointing)  # fmt: skip
+            engine_settings = EngineSettings(model_dir=self.model_dir, lora_rank=s.lora_rank, lr=s.lr,
+                                             loss_mode=s.loss_mode, kl_coef=s.kl_coef, kl_type=s.kl_type,
+                                             gradient_checkpointing=s.gradient_checkpointing)  # fmt: skip
             if s.max_token_len:
-                engine.max_token_len = s.max_token_len
-            self._engine = PolicyEngine(engine)
+                engine_settings.max_token_len = s.max_token_len
+            if s.workers > 1:
+                from trainer.workers import RayPolicyEngine
+
+                self._engine = RayPolicyEngine(engine_settings, s.workers, s.workers_per_node)
+            else:
+                self._engine = PolicyEngine(engine_settings)
             if self.state.engine_checkpoint:
                 self._engine.load(self.state_dir / self.state.engine_checkpoint)
             self.probe_logprobs = self._probe_logprobs()
@@ -206,13 +229,14 @@ class Trainer:
             if served not in (None, "None", "default", "0"):
                 self.echo(f"forge train: the policy server reported version {served}; it is now version 0 of run "
                           f"{self.settings.run}")  # fmt: skip
+
             # v0 is the base checkpoint: loaded whatever the server served before, verified with the first batch.
-            if self.settings.lora_rank:
-                self.client.unload_adapter(self.adapter_name)
-            else:
+            def load_base() -> None:  # with LoRA too: the adapter's base is the base checkpoint, whatever was served
+                if self.settings.lora_rank:
+                    self.client.unload_adapter(self.adapter_name)
                 self.client.load_full(self.model_dir)
-            self.client.reset_prefix_cache()
-            self.client.set_version(0)
+
+            self._switch(load_base, 0)
             self._verify_v0 = True
         elif served != str(self.state.version):
             self.echo(f"forge train: resuming at v{self.state.version}; the server had {served}: re-publishing")
@@ -238,6 +262,8 @@ class Trainer:
         )
         mask, unknown = tensors["response_mask"].bool(), metrics.pop("_unknown")
         tokens = int(mask.sum())
+        if s.kl_coef > 0:  # veRL's ppo_loss adds kl_penalty(log_prob, ref_log_prob) × kl_coef
+            tensors["ref_log_prob"] = self.engine.log_probs(tensors, reference=True)[0] * mask
         started = time.perf_counter()
         update = self.engine.update(tensors)
         update_s = time.perf_counter() - started
@@ -259,6 +285,10 @@ class Trainer:
             "publish_s": sum(published.seconds.values()), **{f"publish_{k}_s": v for k, v in published.seconds.items()},
             "probe_diff": published.probe_diff, "probe_diff_old": published.probe_diff_old,
         })  # fmt: skip
+        if s.kl_coef > 0:  # veRL's ppo_loss reports it as "kl_loss" (no "actor/" prefix)
+            metrics["kl_ref"] = _first(update, "kl_loss")
+            if not math.isfinite(metrics["kl_ref"]):
+                raise ForgeError("veRL reported no finite kl_loss with --kl-coef: the KL term did not run")
         return metrics
 
     def wait_for_episodes(self) -> tuple[pa.Table, list[str], list[str], list[int]]:
@@ -292,34 +322,46 @@ class Trainer:
 
     # ---- publish and commit ----------------------------------------------------------------------------------
     def publish(self, version: int) -> PublishResult:
-        s, seconds = self.settings, {}
+        """Write, then switch the server (paused) and probe it while the trainer probes the new weights."""
+        seconds: dict[str, float] = {}
         started = time.perf_counter()
-        weights, peft_config = self.engine.weights()
-        path = write_checkpoint(self.store, s.run, version, weights, self.model_dir, peft_config, self.state_dir)
+        path = write_checkpoint(self.store, self.settings.run, version, self.engine.save_weights, self.model_dir,
+                                self.state_dir)  # fmt: skip
         seconds["write"] = time.perf_counter() - started
-        started = time.perf_counter()
-        if s.lora_rank:
-            self.client.load_adapter(self.adapter_name, path)
-        else:
-            self.client.load_full(path)
-        self.client.reset_prefix_cache()
-        self.client.set_version(version)
-        seconds["load"] = time.perf_counter() - started
-        started = time.perf_counter()
-        result = self.verify(version, str(path))
-        seconds["verify"] = time.perf_counter() - started
+        with ThreadPoolExecutor(1, thread_name_prefix="forge-probe") as pool:
+            trainer_probe = pool.submit(self._timed_probe)  # the engine computes while the server loads
+            started = time.perf_counter()
+            if self.settings.lora_rank:
+                self._switch(lambda: self.client.load_adapter(self.adapter_name, path), version)
+            else:
+                self._switch(lambda: self.client.load_full(path), version)
+            seconds["load"] = time.perf_counter() - started
+            started = time.perf_counter()
+            result = self.verify(version, str(path), trainer_probe)
+            seconds["verify"] = time.perf_counter() - started
         result.seconds = seconds
         return result
 
-    def verify(self, version: int, path: str) -> PublishResult:
+    def _switch(self, load: Callable[[], None], version: int) -> None:
+        """Paused, so nothing is computed between the load and the version: a call whose tokens meet the new weights
+        ends after the version changed, and the sidecar records it as spanning both."""
+        self.client.pause()
+        try:
+            load()
+            self.client.reset_prefix_cache()
+            self.client.set_version(version)
+        finally:
+            self.client.resume()
+
+    def verify(self, version: int, path: str, trainer_probe: Future | None = None) -> PublishResult:
         """The server's probe logprobs equal the trainer's under the new weights (and not the old ones)."""
         model = self.adapter_name if self.settings.lora_rank and version > 0 else self.served_model
         started = time.perf_counter()
-        served = self.client.prompt_logprobs(model, PROBE_IDS)
+        served = self.client.probe_logprobs(model, PROBE_IDS, PROBE_TOKEN, PROBE_STEPS)
         server_s = time.perf_counter() - started
-        old, new = self.probe_logprobs, self._probe_logprobs()
-        old = old or new
-        self.last_verify_split = {"server_probe": server_s, "trainer_probe": time.perf_counter() - started - server_s}
+        new, trainer_s = trainer_probe.result() if trainer_probe is not None else self._timed_probe()
+        old = self.probe_logprobs or new
+        self.last_verify_split = {"server_probe": server_s, "trainer_probe": trainer_s}
         diff, diff_old = mean_abs_diff(served, new), mean_abs_diff(served, old)
         tolerance = TOLERANCE.get(self.settings.serving_dtype, TOLERANCE["auto"])
         if self.client.weight_version() != str(version):
@@ -333,13 +375,24 @@ class Trainer:
         self.probe_logprobs = new
         return PublishResult(version, path, probe_diff=diff, probe_diff_old=diff_old)
 
+    def _timed_probe(self) -> tuple[list[float], float]:
+        started = time.perf_counter()
+        return self._probe_logprobs(), time.perf_counter() - started
+
     def _probe_logprobs(self) -> list[float]:
+        """The engine's logprobs of the probe's forced tokens after PROBE_IDS (what the server is asked)."""
         from trainer.batch import Row
 
-        row = Row("probe", "probe", 0, PROBE_IDS[:1], PROBE_IDS[1:], [1] * (len(PROBE_IDS) - 1),
-                  [0.0] * (len(PROBE_IDS) - 1), 0.0, None)  # fmt: skip
+        row = Row("probe", "probe", 0, PROBE_IDS, [PROBE_TOKEN] * PROBE_STEPS, [1] * PROBE_STEPS,
+                  [0.0] * PROBE_STEPS, 0.0, None)  # fmt: skip
         log_probs, _ = self.engine.log_probs(padded([row]))
         return [float(x) for x in log_probs[0].tolist()]
+
+    def close(self) -> None:
+        """Shut down what the engine started (a Ray worker group and the local Ray)."""
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
 
     def commit(self, episode_ids: list[str], aged: list[str], version: int) -> None:
         step = self.state.step + 1

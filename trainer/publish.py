@@ -1,5 +1,12 @@
 """Publishing a policy version: checkpoint to the store, load into vLLM, set its version, verify that it landed.
 
+The server is paused around the switch (``POST /pause?mode=keep`` … ``POST /resume``): vLLM 0.32 then computes
+nothing (calls in flight are frozen with their KV, new ones queue), so no token is computed with the new weights
+before the version says so, and a call that spans the switch ends after it: the sidecar, which asks the version
+before and after each call, records it as ``v``–``v+1``. (vLLM 0.32's other modes: ``abort``, the default, fails
+the calls in flight; ``wait`` drains them first, unbounded. In every mode a new request — the probe too — waits
+for ``/resume``, so the probe runs after it.)
+
 1. Checkpoint: ``<store>/checkpoints/<run>/v<n>/`` holds either full weights (``model.safetensors`` + the base
    model's config and tokenizer: an HF folder vLLM and transformers load) or a LoRA adapter
    (``adapter_model.safetensors`` + ``adapter_config.json``). It is written under a hidden name and renamed, so a
@@ -10,10 +17,13 @@
    the old weights (the sidecar does not need to salt requests; vLLM answers ``success: false`` while requests
    hold blocks: it is retried, and a reset that never succeeds fails the publish).
 4. ``POST /update_weight_version``: the sidecar reads it from ``/weight_info`` and records it per call.
-5. Verify: the server's own prompt logprobs of a fixed probe sequence (``/v1/completions`` with a token-id
-   prompt and ``prompt_logprobs``) must equal the trainer's logprobs of the same ids under the new weights within
-   a dtype tolerance, and be closer to them than to the previous version's. Otherwise ``PublishError``: the run
-   stops, nothing trains as if the version had landed.
+5. Verify: the server's own logprobs of a fixed probe sequence must equal the trainer's logprobs of the same ids
+   under the new weights within a dtype tolerance, and be closer to them than to the previous version's.
+   Otherwise ``PublishError``: the run stops, nothing trains as if the version had landed. The server computes
+   them as a greedy completion of the fixed prompt restricted to one fixed token (``allowed_token_ids``; vLLM
+   reports raw logprobs, before that restriction), never with ``prompt_logprobs``: on a LoRA-enabled vLLM 0.32 CPU
+   server a ``prompt_logprobs`` request batched with any other request kills the engine (vllm#29955/#16668), and
+   the probe runs while the calls frozen by the pause resume. A fresh ``cache_salt`` keeps it off the prefix cache.
 """
 
 import json
@@ -22,7 +32,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,6 +50,8 @@ PROBE_IDS = [
     1, 4093, 198, 5820, 253, 9552, 1230, 284, 1643, 1701, 357, 314, 9552, 30, 2, 198, 1, 520, 9531, 198, 40357, 42,
     805, 582, 284, 4962, 10335, 357, 30, 2, 198,
 ]  # fmt: skip
+PROBE_TOKEN = 198  # the forced continuation ("\n": a plain token; a stop token would end or be masked)
+PROBE_STEPS = 8  # forced tokens after PROBE_IDS: the probe's 8 positions (1 prefill + 7 decode steps)
 # Mean |server − trainer| over the probe a landed publish stays under (fp32 serving measured ~1e-5; bf16 ~5e-2).
 TOLERANCE = {"float32": 2e-4, "bfloat16": 1.5e-1, "float16": 5e-2, "auto": 1.5e-1}
 
@@ -61,13 +73,39 @@ def checkpoint_name(run: str, version: int) -> str:
     return f"checkpoints/{run}/v{version}"
 
 
-def write_checkpoint(
-    store: Store, run: str, version: int, weights: Iterable[tuple[str, torch.Tensor]], base_model: Path,
-    peft_config: Any = None, local_dir: Path | None = None,
-) -> Path:  # fmt: skip
-    """Write version ``version`` atomically; returns the local folder vLLM loads (the store's on a local store)."""
-    from safetensors.torch import save_file
+_SAFETENSORS_DTYPES = {
+    torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64", torch.int64: "I64",
+    torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+}  # fmt: skip
 
+
+def save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
+    """The safetensors format written straight from the tensors' memory: no serialised copy of the whole file
+    (``safetensors.torch.save_file`` builds one: 540 MB for SmolLM2 in fp32) and one ``write`` per tensor."""
+    header: dict[str, Any] = {"__metadata__": metadata or {}}
+    offset = 0
+    for name, tensor in tensors.items():
+        size = tensor.numel() * tensor.element_size()
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + size]}  # fmt: skip
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb", buffering=0) as out:
+        out.write(len(encoded).to_bytes(8, "little") + encoded)
+        for tensor in tensors.values():
+            if tensor.numel():
+                out.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
+
+
+def write_checkpoint(
+    store: Store, run: str, version: int, save: Callable[[Path], None], base_model: Path,
+    local_dir: Path | None = None,
+) -> Path:  # fmt: skip
+    """Write version ``version`` atomically; returns the local folder vLLM loads (the store's on a local store).
+
+    ``save(folder)`` writes the weights (``PolicyEngine.save_weights``: ``model.safetensors`` or a LoRA adapter);
+    the base model's config and tokenizer join full weights, so the folder is an HF checkpoint."""
     relative = checkpoint_name(run, version)
     if store.is_local:
         final = Path(store.path(relative))
@@ -76,27 +114,15 @@ def write_checkpoint(
     staging = final.with_name(f".{final.name}.{uuid.uuid4().hex[:8]}.tmp")
     try:
         staging.mkdir(parents=True)
-        tensors: dict[str, torch.Tensor] = {}
-        shared: set[int] = set()
-        for name, tensor in weights:
-            tensor = tensor.detach().to("cpu").contiguous()
-            if tensor.data_ptr() in shared:  # tied weights (SmolLM2's lm_head is its embedding): stored once
-                continue
-            shared.add(tensor.data_ptr())
-            tensors[name] = tensor
-        if peft_config is not None:
-            save_file(tensors, staging / "adapter_model.safetensors", metadata={"format": "pt"})
-            config = peft_config.to_dict() if hasattr(peft_config, "to_dict") else dict(peft_config)
-            config["base_model_name_or_path"] = str(base_model)
-            (staging / "adapter_config.json").write_text(json.dumps(config, indent=1, default=_json_value))
-        else:
-            save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
+        save(staging)
+        if (staging / "model.safetensors").is_file():
             for name in os.listdir(base_model):  # config, generation config, tokenizer: the HF folder's rest
                 if name.endswith((".json", ".jinja", ".txt")) and not name.startswith((".", "model.safetensors")):
-                    shutil.copy2(base_model / name, staging / name)
+                    _link_or_copy(base_model / name, staging / name)
         (staging / "_PUBLISHED.json").write_text(json.dumps({"run": run, "version": version, "at": time.time()}))
         for written in staging.iterdir():
-            written.chmod(0o644)  # vLLM may run as another uid
+            if written.stat().st_mode & 0o777 != 0o644:  # linked base files are already; vLLM may be another uid
+                written.chmod(0o644)
         staging.chmod(0o755)
         if final.exists():  # a version written by a run that died before verifying it: replaced whole
             shutil.rmtree(final)
@@ -115,7 +141,15 @@ def write_checkpoint(
     return final
 
 
-def _json_value(value: Any) -> Any:
+def _link_or_copy(source: Path, target: Path) -> None:
+    """The base model's small files: a hard link where the store shares its file system, else a copy."""
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
+
+
+def json_value(value: Any) -> Any:
     """peft's config values JSON cannot hold: enums by value (``"LORA"``, ``"CAUSAL_LM"``), sets as lists."""
     if hasattr(value, "value"):
         return value.value
@@ -191,14 +225,28 @@ class PolicyClient:
     def set_version(self, version: int) -> None:
         self._post("/update_weight_version", {"new_version": str(version)}, what="update_weight_version")
 
-    def prompt_logprobs(self, model: str, ids: list[int]) -> list[float]:
-        """The server's logprob of each id after the first, given the ids before it."""
-        answer = self._post("/v1/completions", {"model": model, "prompt": ids, "max_tokens": 1, "temperature": 0,
-                                                "prompt_logprobs": 0}, what="the probe")  # fmt: skip
-        rows = answer["choices"][0].get("prompt_logprobs") or []
-        if len(rows) != len(ids):
-            raise PublishError(f"the probe came back with {len(rows)} prompt logprobs for {len(ids)} ids")
-        return [float(rows[i][str(ids[i])]["logprob"]) for i in range(1, len(ids))]
+    def pause(self, clear_cache: bool = True) -> None:
+        """Stop computing: calls in flight are kept (not aborted), new ones queue until ``resume``. With
+        ``clear_cache`` (vLLM 0.32 honours it with ``keep``, though its API calls it ignored) the engine also drops
+        the prefix cache and preempts the calls in flight: they keep their tokens and recompute their KV after the
+        resume, with the new weights. Without it a later ``/reset_prefix_cache`` fails while they hold blocks."""
+        self._post(f"/pause?mode=keep&clear_cache={str(clear_cache).lower()}", what="pause")
+
+    def resume(self) -> None:
+        self._post("/resume", what="resume")
+
+    def probe_logprobs(self, model: str, prompt: list[int], token: int, steps: int) -> list[float]:
+        """The server's logprobs of ``token`` repeated ``steps`` times after ``prompt`` (greedy, restricted to it)."""
+        answer = self._post("/v1/completions", {
+            "model": model, "prompt": prompt, "max_tokens": steps, "ignore_eos": True, "temperature": 0,
+            "allowed_token_ids": [token], "logprobs": 0, "return_token_ids": True, "cache_salt": uuid.uuid4().hex,
+        }, what="the probe")  # fmt: skip
+        choice = answer["choices"][0]
+        ids, values = choice.get("token_ids") or [], (choice.get("logprobs") or {}).get("token_logprobs") or []
+        if ids != [token] * steps or len(values) != steps:
+            raise PublishError(f"the probe came back with ids {ids[:steps + 2]} and {len(values)} logprobs, not "
+                               f"{steps} × {token}")  # fmt: skip
+        return [float(x) for x in values]
 
 
 def mean_abs_diff(a: list[float], b: list[float]) -> float:

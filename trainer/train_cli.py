@@ -29,7 +29,18 @@ from forge.errors import ForgeError
 @click.option("--rollout-is", type=click.Choice(["token", "sequence"]), default="token", show_default=True)
 @click.option("--wait-timeout", type=float, default=600.0, show_default=True, help="Seconds to wait for episodes.")
 @click.option("--resume", is_flag=True, help="Continue the run from its last committed step.")
-@click.option("--workers", type=int, default=1, show_default=True, help="FSDP ranks (only 1 is built yet).")
+@click.option(
+    "--workers", type=int, default=1, show_default=True,
+    help="FSDP ranks: 1 in this process; W > 1 as a Ray worker group (a local Ray, or RAY_ADDRESS's cluster).",
+)  # fmt: skip
+@click.option(
+    "--workers-per-node", type=int, default=0, help="Ranks per node on a Ray cluster (default: all on one node)."
+)
+@click.option(
+    "--kl-coef", type=float, default=0.0, show_default=True,
+    help="KL loss to the reference (the base weights; with LoRA the adapter disabled); 0: none.",
+)  # fmt: skip
+@click.option("--kl-type", default="low_var_kl", show_default=True, help="veRL kl_penalty: kl, abs, mse, low_var_kl.")
 @click.option(
     "--model", "model_dir", type=click.Path(path_type=Path), help="Base HF checkpoint (default: prepared fp32)."
 )
@@ -46,12 +57,13 @@ def train_group(ctx: click.Context, store: str | None, policy_url: str | None, w
         return
     if not store or not policy_url:
         raise ForgeError("forge train needs --store and --policy-url (see `forge train --help`)")
-    if workers != 1:
-        raise ForgeError("--workers > 1 (a Ray worker group) is not built yet: run with --workers 1")
     from trainer.loop import Trainer, TrainSettings
 
     trainer = Trainer(TrainSettings(store=store, policy_url=policy_url, workers=workers, **options), echo=click.echo)
-    trainer.run()
+    try:
+        trainer.run()
+    finally:
+        trainer.close()
     click.echo(f"forge train: {trainer.state.step} steps done; the server serves v{trainer.state.version}", err=True)
 
 

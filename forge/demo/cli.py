@@ -31,9 +31,9 @@ def demo_command(
     run_name: str | None, concurrency: int, lora_rank: int, lr: float | None, algo: str, harness: Path | None,
     policy_url: str | None, progress: bool,
 ) -> None:  # fmt: skip
-    """Train the embedded policy (SmolLM2-135M on vLLM) inside a real harness (mini-swe-agent), round by round.
+    """Train the embedded policy (SmolLM2-135M on vLLM) inside a real, unmodified harness, round by round.
 
-    Each round: TASKS × ROLLOUTS rollouts through the sidecar, rewards from each task's verifier, one veRL
+    The harness is mini-swe-agent. Each round: TASKS × ROLLOUTS rollouts through the sidecar, rewards from each task's verifier, one veRL
     update, the new version published and verified; the next round runs on it. At the end: a table per round,
     a PNG, the HTML of one episode, and where every file is.
     """

@@ -12,8 +12,15 @@ def test_train_is_listed_and_its_missing_arguments_fail_in_one_line():
     assert "train" in runner.invoke(cli, ["--help"]).output
     result = runner.invoke(cli, ["train"])
     assert result.exit_code == 2 and "needs --store and --policy-url" in result.output
-    result = runner.invoke(cli, ["train", "--store", "x", "--policy-url", "http://h", "--workers", "2"])
-    assert result.exit_code == 2 and "not built yet" in result.output
+    result = runner.invoke(cli, ["train", "--store", "x", "--policy-url", "http://h", "--workers", "0"])
+    assert result.exit_code == 2 and "--workers must be ≥ 1" in result.output
+    result = runner.invoke(cli, ["train", "--store", "x", "--policy-url", "http://h", "--workers", "3",
+                                 "--workers-per-node", "2"])  # fmt: skip
+    assert result.exit_code == 2 and "--workers-per-node must divide --workers" in result.output
+    result = runner.invoke(cli, ["train", "--store", "x", "--policy-url", "http://h", "--kl-coef", "nan"])
+    assert result.exit_code == 2 and "--kl-coef must be a number ≥ 0" in result.output
+    result = runner.invoke(cli, ["train", "--store", "x", "--policy-url", "http://h", "--kl-type", "bogus"])
+    assert result.exit_code == 2 and "--kl-type one of" in result.output
 
 
 def test_plot_draws_the_metrics_of_a_run(tmp_path):

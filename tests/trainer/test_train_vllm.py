@@ -5,11 +5,14 @@ Order matters and is the order of a run: bad input first (nothing trains), then 
 learning and a verified publish, a second synchronous round, then publishes that do not land.
 """
 
+import gc
 import json
 import math
 import os
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -254,6 +257,8 @@ def test_after_a_publish_no_call_is_served_from_old_weight_prefix_cache(trainer,
     reset = trainer.client.reset_prefix_cache
     with pytest.MonkeyPatch.context() as patch:  # the control: the same publish without the reset
         patch.setattr(trainer.client, "reset_prefix_cache", lambda: None)
+        pause = trainer.client.pause
+        patch.setattr(trainer.client, "pause", lambda: pause(clear_cache=False))  # nor vLLM's own at the pause
         trainer.publish(4)  # new weights load and verify (the probe is never served from the cache) ...
     stale = served_then_teacher_forced()
     assert stale > 1e-3  # ... but the cached context's old-weight KV still shapes what the server samples
@@ -306,3 +311,115 @@ def test_resume_after_kill_9_continues_from_the_committed_step_without_retrainin
     steps = [json.loads(line) for line in (state_file.parent / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in steps] == [1, 2] and steps[1]["staleness"] == {"1": 2}
     assert http.get("/weight_info").json()["weight_version"] == "2"
+
+
+def stored_calls(store: str) -> list[dict]:
+    """The sidecar's call records once its first file is in the store (none yet: [])."""
+    from tests.sidecar.conftest import read_calls
+
+    if not list(Path(store).rglob("*.parquet")):
+        return []
+    return read_calls(store)
+
+
+# ---- publishing while calls are in flight (the sidecar records what served them) ----------------------------------
+def test_a_call_in_flight_across_a_publish_is_frozen_then_recorded_with_both_versions(trainer, server, tmp_path):
+    """The server computes nothing between the load and the new version (paused: the call is kept, not aborted),
+    so the call that spans the publish ends after it and the sidecar records it as v → v+1."""
+    from tests.sidecar.conftest import SidecarFactory, wait_for
+
+    sidecars = SidecarFactory(tmp_path)
+    try:
+        sidecar = sidecars(server.base_url, store=str(tmp_path / "calls"), episode_id="straddle")
+        nudge(trainer)
+        before = trainer.client.weight_version()
+        version = int(before or 0) + 1
+        chunks: list[float] = []
+        answer: dict = {}
+
+        def long_call() -> None:
+            body = {"model": server.name, "messages": QUESTION, "max_tokens": 512, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", f"{sidecar.url}/v1/chat/completions", json=body, timeout=900) as streamed:
+                for line in streamed.iter_lines():
+                    if line.startswith("data: {"):
+                        chunks.append(time.monotonic())
+                answer["status"] = streamed.status_code
+
+        window: list[float] = []
+        reset = trainer.client.reset_prefix_cache
+
+        def slow_reset() -> None:  # a 3 s gap between the load and the version: the server must stay still in it
+            reset()
+            window.append(time.monotonic())
+            time.sleep(3.0)
+            window.append(time.monotonic())
+
+        thread = threading.Thread(target=long_call)
+        thread.start()
+        wait_for(lambda: len(chunks) >= 3, timeout=300, what="the long call to stream")
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(trainer.client, "reset_prefix_cache", slow_reset)
+            result = trainer.publish(version)
+        assert thread.is_alive(), "the long call ended before the publish: nothing was in flight across it"
+        thread.join(900)
+        assert answer["status"] == 200 and result.probe_diff <= 2e-4
+        in_window = [t for t in chunks if window[0] + 0.2 < t < window[1]]
+        print(f"chunks: {len(chunks)}, {len(in_window)} inside the 3 s between the load and the version")
+        assert not in_window  # paused: no token computed with the new weights while the version still said v
+        assert chunks[-1] > window[1]  # ... and the call went on after the resume (kept, not aborted)
+        httpx.post(f"{sidecar.url}/v1/chat/completions", timeout=300,
+                   json={"model": server.name, "messages": QUESTION, "max_tokens": 4}).raise_for_status()  # fmt: skip
+        calls = wait_for(lambda: len(rows := stored_calls(sidecar.store)) == 2 and rows, timeout=60, what="2 calls")
+        calls.sort(key=lambda c: c["seq"])
+        assert calls[0]["status"] == "ok" and len(calls[0]["completion_token_ids"]) == 512
+        assert [(c["policy_version"], c["policy_version_end"]) for c in calls] == [
+            (before, str(version)), (str(version), str(version))
+        ]  # fmt: skip
+    finally:
+        sidecars.stop_all()
+
+
+# ---- LoRA: an adapter learned, published (unload + load), verified, served; KL to the base -------------------------
+def test_a_lora_step_publishes_a_verified_adapter_that_the_sidecar_records(trainer, server, http, prompt, tmp_path):
+    from tests.sidecar.conftest import SidecarFactory, wait_for
+    from trainer.loop import Trainer, TrainSettings
+
+    trainer.close()  # the full-weight engine's memory back before the LoRA one loads
+    gc.collect()
+    store = tmp_path / "lora-store"
+    store.mkdir()
+    lora = Trainer(TrainSettings(store=str(store), policy_url=server.base_url, run="lora", steps=1,
+                                 episodes_per_step=4, wait_timeout=60, poll_seconds=0.5, lora_rank=8, lr=1e-4,
+                                 kl_coef=0.1))  # fmt: skip
+    sidecars = SidecarFactory(tmp_path)
+    try:
+        samples = [sample(http, server.name, prompt, 16, seed=60 + i) for i in range(4)]
+        assert {s.version for s in samples} == {"0"}  # claimed: the base weights (reloaded), version 0
+        record(str(store), samples, REWARDS, task_id="lora")
+        metrics = lora.step()
+        print(json.dumps(metrics))
+        assert metrics["version"] == 1 and metrics["probe_diff"] <= 2e-4 < metrics["probe_diff_old"]
+        assert abs(metrics["kl_ref"]) < 1e-6  # the loss saw policy = reference: the adapter starts at zero
+        assert all(math.isfinite(v) for v in metrics.values() if isinstance(v, float))
+        adapter = store / "checkpoints" / "lora" / "v1"
+        assert (adapter / "adapter_model.safetensors").is_file() and not (adapter / "model.safetensors").exists()
+        # The reference is the base (the adapter disabled): it gives the v0 server's logprobs; the policy moved off.
+        tensors = padded(rows_from_segments(trainable(Collector(str(store), progress=False).update().segments)).rows)
+        known = tensors["response_mask"].bool() & ~torch.isnan(tensors["rollout_log_probs"])
+        reference = lora.engine.log_probs(tensors, reference=True)[0]
+        policy = lora.engine.log_probs(tensors)[0]
+        ref_gap = (reference - tensors["rollout_log_probs"])[known].abs().mean().item()
+        moved = (policy - reference)[known].abs().mean().item()
+        print(f"reference vs v0 behaviour {ref_gap:.2e}; policy vs reference {moved:.2e}")
+        assert ref_gap < FP32_AGREEMENT and moved > 1e-4
+        # The next call through the sidecar is served by the adapter and recorded as version 1.
+        sidecar = sidecars(server.base_url, store=str(tmp_path / "calls"), episode_id="after-lora",
+                           extra=("--model-map", f"*={lora.adapter_name}"))  # fmt: skip
+        httpx.post(f"{sidecar.url}/v1/chat/completions", timeout=300,
+                   json={"model": "gpt-x", "messages": QUESTION, "max_tokens": 4}).raise_for_status()  # fmt: skip
+        calls = wait_for(lambda: stored_calls(sidecar.store), timeout=60, what="the call's record")
+        assert (calls[0]["policy_version"], calls[0]["policy_version_end"]) == ("1", "1")
+        assert calls[0]["model_served"] == lora.adapter_name and calls[0]["status"] == "ok"
+    finally:
+        sidecars.stop_all()
+        lora.close()
