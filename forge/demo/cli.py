@@ -33,9 +33,9 @@ def demo_command(
 ) -> None:  # fmt: skip
     """Train the embedded policy (SmolLM2-135M on vLLM) inside a real, unmodified harness, round by round.
 
-    The harness is mini-swe-agent. Each round: TASKS × ROLLOUTS rollouts through the sidecar, rewards from each task's verifier, one veRL
-    update, the new version published and verified; the next round runs on it. At the end: a table per round,
-    a PNG, the HTML of one episode, and where every file is.
+    The harness is mini-swe-agent. Each round: TASKS × ROLLOUTS rollouts through the sidecar, rewards from each
+    task's verifier, one veRL update, the new version published and verified; the next round runs on it. At the
+    end: a table per round, a PNG, the HTML of one episode, and where every file is.
     """
     from forge.demo.run import Demo, DemoSettings
 
