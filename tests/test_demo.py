@@ -82,7 +82,8 @@ def test_the_demo_runs_on_an_s3_store(tmp_path: Path, s3_server) -> None:
     assert not (out / "store").exists()
     con = connect(store, s3_server.endpoint, episodes=True, state_dir=tmp_path / "state", idle_seconds=0.0)
     assert con.execute("SELECT count(DISTINCT episode_id) FROM calls").fetchone() == (2,)
-    assert (con.execute("SELECT count(*) FROM rewards").fetchone() or (0,))[0] >= 1
+    rewards = con.execute("SELECT count(*) FROM rewards").fetchone()
+    assert rewards is not None and rewards[0] >= 1
     import boto3
 
     keys = [o["Key"] for o in boto3.client("s3", endpoint_url=s3_server.endpoint)

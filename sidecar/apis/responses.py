@@ -12,10 +12,11 @@ Logprobs come only inside ``message`` items' ``output_text`` parts, and how many
 - stream: each text delta carries the logprobs of the ids sampled in its step; steps the tool parser swallows
   (function-call text) or that add no text (the end of turn) carry none, so the final message holds those of
   the text ids only.
-They are aligned here, never guessed: as many logprobs as ids is one each, in order; fewer must belong to the
-first ids, which is checked by their tokens spelling the start of the output text (``output_messages[].message``);
-the rest are NaN (not given), and the record's ``note`` says so. Logprobs that cannot be placed so (a gap in the
-middle, more logprobs than ids, text that does not match) make the call an error that says why.
+They are aligned here, never guessed: as many logprobs as ids is one each, in order. Fewer (a stream: its steps
+that sent no text carry none, and those can lie anywhere) are placed on the first ids only as far as their tokens
+surely are those ids' (``_placeable_prefix``: they spell the start of the output text, ``output_messages[].message``,
+ASCII and before any tool-tag start); every other id is NaN, counted as an unknown logprob (the trainer recomputes
+it), and the record's ``note`` says so. More logprobs than ids make the call an error that says why.
 ``response.failed`` and ``error`` events are the upstream's failure: recorded as such, never ``ok``.
 What the harness gets is what vLLM writes when not asked: message lists null, delta logprobs ``[]``, the
 logprobs of finished text parts null, ``top_logprobs`` null.
@@ -178,26 +179,36 @@ def _logprob_entries(response: dict[str, Any]) -> list[Any]:
     ]
 
 
-def _spells_the_start(tokens: list[Any], text: str) -> bool:
-    """Do these tokens, in order and without a gap, spell the start of ``text``? One linear walk. A token decoded
-    alone shows part of a multi-byte character as U+FFFD: each such mark takes the next character if it is not
-    ASCII (never giving it back, so no search can blow up; a character split oddly across tokens can make the
-    check fail, which records an error, never a shifted logprob)."""
+# A tool parser holds back text that could begin its tag (hermes, which ``forge serve`` runs: ``<tool_call>``).
+TAG_START = "<"
+
+
+def _placeable_prefix(tokens: list[Any], text: str) -> int:
+    """How many of the first logprob entries are surely those of the first ids, in order: the longest run from the
+    start whose tokens spell the start of ``text`` without a gap, each token ASCII and free of ``TAG_START``.
+
+    A stream's logprobs skip every step that sent no text (vLLM 0.32, ``responses/serving.py``, studied on the
+    real server), so where fewer logprobs than ids came, the missing ones can be anywhere, not only at the end:
+    - a step the tool parser held back (text that could start ``<tool_call>``: ``<b>`` came as 9 ids, 7 logprobs,
+      the ``<`` step's missing, its text sent with the next step's logprob);
+    - the first pieces of a character split across ids (one emoji = 3 ids, one logprob, its token the whole
+      character: its text spells the output, so only refusing non-ASCII tokens keeps it from being shifted);
+    - the end of turn and the function-call text.
+    A gap before an ASCII token that spells the text at its place needs a held-back tag start, so the run stops at
+    the first token that has ``<``, is not ASCII, or does not spell the text there; the rest are not placed."""
     offset = 0
-    for token in tokens:
-        if not isinstance(token, str):
-            return False
-        for i, part in enumerate(token.split("\ufffd")):
-            if i and offset < len(text) and not text[offset].isascii():
-                offset += 1  # this U+FFFD's character
-            if not text.startswith(part, offset):
-                return False
-            offset += len(part)
-    return True
+    for placed, token in enumerate(tokens):
+        if not (isinstance(token, str) and token and token.isascii() and TAG_START not in token):
+            return placed
+        if not text.startswith(token, offset):
+            return placed
+        offset += len(token)
+    return len(tokens)
 
 
 def align_logprobs(entries: list[Any], ids: int, text: str | None) -> tuple[list[float], str | None, str | None]:
-    """(logprobs, note, error): one logprob per id, NaN where none was given; an error where they cannot be placed."""
+    """(logprobs, note, error): one logprob per id, NaN where none was given or where it cannot be placed for sure
+    (see ``_placeable_prefix``); an error only for more logprobs than ids."""
     values = [logprob(entry.get("logprob") if isinstance(entry, dict) else None) for entry in entries]
     if not values:
         return [math.nan] * ids, (NO_LOGPROBS_NOTE if ids else None), None
@@ -206,14 +217,15 @@ def align_logprobs(entries: list[Any], ids: int, text: str | None) -> tuple[list
     if len(values) > ids:
         return [math.nan] * ids, None, f"{len(values)} logprobs for {ids} output ids: they cannot be aligned"
     tokens = [entry.get("token") if isinstance(entry, dict) else None for entry in entries]
-    if text is None or not _spells_the_start(tokens, text):
-        return [math.nan] * ids, None, (
-            f"{len(values)} logprobs for {ids} output ids, and their tokens do not spell the start of the output "
-            "text: which ids they belong to cannot be established"
-        )  # fmt: skip
-    note = (f"vLLM gave logprobs for the first {len(values)} of {ids} ids (the output text); the last "
-            f"{ids - len(values)} (function-call text, end of turn) are NaN")  # fmt: skip
-    return values + [math.nan] * (ids - len(values)), note, None
+    placed = _placeable_prefix(tokens, text) if text is not None else 0
+    if placed == len(values):
+        note = (f"vLLM gave logprobs for the first {placed} of {ids} ids (the output text); the last "
+                f"{ids - placed} (function-call text, end of turn) are NaN")  # fmt: skip
+    else:
+        note = (f"vLLM gave {len(values)} logprobs for {ids} ids, skipping steps that sent no text (a tag start the "
+                f"tool parser held back, part of a character): the first {placed} are placed, the other "
+                f"{ids - placed} ids NaN (which ids the later logprobs belong to is unknown)")  # fmt: skip
+    return values[:placed] + [math.nan] * (ids - placed), note, None
 
 
 def failure_message(event: dict[str, Any]) -> str:

@@ -249,9 +249,14 @@ def test_count_tokens_and_the_model_list_are_answered_in_anthropics_format(start
 def test_an_upstream_error_reaches_an_anthropic_client_in_anthropics_format(start_sidecar, policy_server):
     sidecar = start_sidecar(policy_server.base_url)
     sdk = anthropic.Anthropic(base_url=sidecar.url, api_key="sk-ant-test-not-real", max_retries=0, timeout=60)
+    # A bound above the context is lowered by the sidecar (never refused), so the error is a sampling parameter
+    # vLLM 0.32 refuses on its own /v1/messages and on the translated chat call alike: a negative temperature
+    # (sent as extra_body: anthropic 2.x has no sampling arguments any more).
     with pytest.raises(anthropic.BadRequestError) as raised:
-        sdk.messages.create(model="claude-sonnet-4-5", max_tokens=10**6, messages=[{"role": "user", "content": "x"}])
+        sdk.messages.create(model="claude-sonnet-4-5", max_tokens=4, messages=[{"role": "user", "content": "x"}],
+                            extra_body={"temperature": -1.0})  # fmt: skip
     assert raised.value.body["type"] == "error" and raised.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
+    assert "temperature" in raised.value.body["error"]["message"]  # type: ignore[index]  # vLLM's own reason, passed on
     call = one_call(sidecar.store)
     assert call["status"] == "upstream_error" and call["http_status"] == 400 and call["api"] == "messages"
 

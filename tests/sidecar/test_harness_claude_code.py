@@ -10,8 +10,10 @@ past the server's context) being lowered is checked on the request Claude Code s
 (``golden/claude-code``, test_harness_golden.py) and through the real sidecar (test_completion_bound.py).
 
 Its calls are served through Chat Completions with ids and recorded token-exact: the prompt ids are vLLM's own
-rendering of the recorded request (``/v1/messages/render``), the completion ids pass the teacher-forcing check,
-and its per-call billing line does not stop the second call from extending the first.
+rendering of the recorded request (``/v1/messages/render``) — or, for a call served tokens-in (Claude Code resent
+an earlier answer as text that the template re-tokenizes), the earlier call's exact prompt + completion followed by
+that rendering's new part, the same text —, the completion ids pass the teacher-forcing check, and its per-call
+billing line does not stop the second call from extending the first.
 """
 
 import itertools
@@ -75,7 +77,18 @@ def test_claude_code_runs_a_task_through_the_sidecar_and_every_call_is_exact(
         unthinking = {k: v for k, v in request.items() if k != "thinking"}
         rendered = vllm.post("/v1/messages/render", json={**unthinking, "model": policy_server.name, "stream": False})
         assert rendered.status_code == 200, rendered.text
-        assert call["prompt_token_ids"] == rendered.json()["token_ids"]
+        rendered_ids, prompt = rendered.json()["token_ids"], call["prompt_token_ids"]
+        if call["continuation"] == "tokens_in":  # Claude Code resent an answer as text the template re-tokenizes
+            (earlier,) = [c for c in ok if c["call_id"] == call["parent_call_id"]]
+            whole = earlier["prompt_token_ids"] + earlier["completion_token_ids"]
+            added = len(prompt) - len(whole)
+            # the earlier call's prompt + completion, exactly, then the template's rendering of what was added,
+            # where vLLM's own rendering spelled the same text with other ids
+            assert prompt[: len(whole)] == whole and added > 0 and prompt[len(whole) :] == rendered_ids[-added:]
+            assert tokenizer.decode(rendered_ids[:-added]) == tokenizer.decode(whole)
+            assert "served tokens-in" in call["note"] and call["prefix_len"] == len(whole)
+        else:
+            assert prompt == rendered_ids
         assert 0 < len(call["completion_token_ids"]) <= MAX_OUTPUT_TOKENS
         # Claude Code sent its own setting as max_tokens; the sidecar served it as asked, and the record says so.
         assert request["max_tokens"] == MAX_OUTPUT_TOKENS
