@@ -262,6 +262,17 @@ def assert_harness_succeeded(
     assert calls and all(c["status"] == "ok" for c in calls), f"not every call is ok:\n{table}\n{transcript}"
 
 
+def claude_code_env(home, base_url: str, max_output_tokens: int) -> dict[str, str]:
+    """Claude Code's environment as a user runs it offline against an endpoint, its answers bounded by its own
+    setting (CLAUDE_CODE_MAX_OUTPUT_TOKENS, sent as max_tokens)."""
+    return {
+        "PATH": os.environ["PATH"], "HOME": str(home), "TMPDIR": str(home), "NO_COLOR": "1",
+        "ANTHROPIC_BASE_URL": base_url, "ANTHROPIC_API_KEY": "sk-ant-test-not-a-real-key",
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1", "IS_SANDBOX": "1",
+        "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(max_output_tokens),
+    }  # fmt: skip
+
+
 def installed_harness(name: str) -> str:
     """The executable of a pinned real harness, installed once by scripts/harness.sh (`make harnesses`)."""
     found = subprocess.run([str(repo_root() / "scripts" / "harness.sh"), name], capture_output=True, text=True)

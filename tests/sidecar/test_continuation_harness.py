@@ -7,12 +7,18 @@ prompt + completion + vLLM's rendering of what was added, and its completion pas
 """
 
 import json
-import os
 import subprocess
 
 import pytest
 
-from tests.sidecar.conftest import assert_sampled_by_vllm, call_table, installed_harness, read_calls, wait_for
+from tests.sidecar.conftest import (
+    assert_sampled_by_vllm,
+    call_table,
+    claude_code_env,
+    installed_harness,
+    read_calls,
+    wait_for,
+)
 from tests.sidecar.test_continuation import _episode
 
 pytestmark = pytest.mark.integration
@@ -28,12 +34,7 @@ def test_claude_code_session_does_not_fork_on_retokenization(start_sidecar, poli
     work = tmp_path / "work"
     work.mkdir()
     (work / "notes.txt").write_text("The answer is 42.\n")
-    env = {
-        "PATH": os.environ["PATH"], "HOME": str(tmp_path), "TMPDIR": str(tmp_path), "NO_COLOR": "1",
-        "ANTHROPIC_BASE_URL": sidecar.url, "ANTHROPIC_API_KEY": "sk-ant-test-not-a-real-key",
-        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1", "IS_SANDBOX": "1",
-        "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(MAX_COMPLETION_TOKENS),
-    }  # fmt: skip
+    env = claude_code_env(tmp_path, sidecar.url, MAX_COMPLETION_TOKENS)
     for prompt, more in (("What does notes.txt say?", []), ("And what is the answer, in one word?", ["--continue"])):
         subprocess.run(
             [claude, "-p", prompt, *more, "--model", "claude-sonnet-4-5", "--max-turns", "4",

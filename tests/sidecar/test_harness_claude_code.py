@@ -18,7 +18,6 @@ billing line does not stop the second call from extending the first.
 
 import itertools
 import json
-import os
 import subprocess
 
 import pytest
@@ -28,6 +27,7 @@ from tests.sidecar.conftest import (
     assert_no_secret_anywhere,
     assert_sampled_by_vllm,
     call_table,
+    claude_code_env,
     installed_harness,
     read_calls,
     wait_for,
@@ -50,12 +50,7 @@ def test_claude_code_runs_a_task_through_the_sidecar_and_every_call_is_exact(
     work = tmp_path / "work"
     work.mkdir()
     (work / "notes.txt").write_text("The answer is 42.\n")
-    env = {
-        "PATH": os.environ["PATH"], "HOME": str(tmp_path), "TMPDIR": str(tmp_path), "NO_COLOR": "1",
-        "ANTHROPIC_BASE_URL": sidecar.url, "ANTHROPIC_API_KEY": "sk-ant-test-not-a-real-key",
-        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1", "IS_SANDBOX": "1",
-        "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(MAX_OUTPUT_TOKENS),
-    }  # fmt: skip
+    env = claude_code_env(tmp_path, sidecar.url, MAX_OUTPUT_TOKENS)
     run = subprocess.run(
         [claude, "-p", "What does notes.txt say?", "--max-turns", "2",
          "--dangerously-skip-permissions"],
