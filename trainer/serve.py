@@ -8,6 +8,7 @@ cache folder, so stopping it leaves no engine process and no litter behind.
 """
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -15,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -29,6 +31,7 @@ from trainer.model import MARKER, MODEL_NAME, prepared_model
 # sized to the longer length (max_position_embeddings): without that, a prompt past 8192 tokens reads past the
 # table on CPU and every later answer has -inf logprobs (measured: one 9k-token Claude Code prompt broke the server).
 NATIVE_CONTEXT = 8192
+MAX_TMPDIR_LEN = 64  # + "/" + a 36-character uuid stays under a Unix socket path's 107 bytes
 
 
 def default_dtype() -> str:
@@ -144,7 +147,7 @@ class PolicyServer:
         assert self.run_dir is not None
         env = dict(os.environ)
         env.update(
-            TMPDIR=str(self.run_dir / "tmp"),
+            TMPDIR=str(self.tmp_dir),
             VLLM_CACHE_ROOT=str(self.run_dir / "vllm-cache"),
             VLLM_CPU_KVCACHE_SPACE=str(self.kv_cache_gb),
             VLLM_SERVER_DEV_MODE="1",
@@ -169,6 +172,7 @@ class PolicyServer:
         if self.run_dir is None:
             self.run_dir = cache_dir() / "runs" / f"serve-{time.strftime('%Y%m%d-%H%M%S')}-{self.port}"
         (self.run_dir / "tmp").mkdir(parents=True, exist_ok=True)
+        self.tmp_dir.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(
                 self.command(), env=self.environment(), stdout=log, stderr=subprocess.STDOUT,
@@ -210,8 +214,20 @@ class PolicyServer:
             _kill_group(process.pid, timeout=5.0)
             process.wait()
         if self.run_dir is not None:
+            shutil.rmtree(self.tmp_dir, ignore_errors=True)
             for scratch in ("tmp", "vllm-cache"):
                 shutil.rmtree(self.run_dir / scratch, ignore_errors=True)
+
+    @property
+    def tmp_dir(self) -> Path:
+        """The server's TMPDIR: the run folder's tmp/, or a short folder in the system's when that path is long —
+        vLLM puts ZMQ IPC sockets there (ipc://TMPDIR/<uuid>), and a socket path is at most 107 bytes."""
+        assert self.run_dir is not None
+        own = self.run_dir / "tmp"
+        if len(str(own)) <= MAX_TMPDIR_LEN:
+            return own
+        digest = hashlib.sha256(str(own).encode()).hexdigest()[:12]
+        return Path(tempfile.gettempdir()) / f"forge-vllm-{digest}"
 
     def __enter__(self) -> "PolicyServer":
         return self.start() if self.process is None else self

@@ -127,3 +127,16 @@ def test_serve_prints_its_url_and_stops_cleanly_on_a_signal(prepared_model, sign
         if engine_group is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(engine_group, signal.SIGKILL)
+
+
+def test_a_deep_run_folder_gets_a_short_tmpdir_for_vllms_sockets(tmp_path):
+    """vLLM puts ZMQ IPC sockets in TMPDIR (ipc://TMPDIR/<36-char uuid>); a Unix socket path is at most 107 bytes: a
+    run folder deep in pytest's tmp (or a user's --out) failed `forge demo` with a ZMQError before this."""
+    from trainer.serve import PolicyServer
+
+    deep = tmp_path / ("x" * 80) / "policy-server"
+    server = PolicyServer(model=tmp_path, run_dir=deep)
+    tmpdir = server.environment()["TMPDIR"]
+    assert len(tmpdir) + 1 + 36 < 107 and not tmpdir.startswith(str(deep))
+    shallow = PolicyServer(model=tmp_path, run_dir=Path("/tmp/r"))
+    assert shallow.environment()["TMPDIR"] == "/tmp/r/tmp"
