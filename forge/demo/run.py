@@ -189,9 +189,12 @@ def plot_rounds(rounds: list[RoundStats], path: Path, title: str) -> None:
     axes[0].errorbar(x, means, yerr=sds, marker="o", capsize=3)
     axes[0].set_title("reward per round (mean ± sd)")
     axes[1].bar(x, [s.zero_variance_groups for s in rounds], label="zero-variance groups")
-    axes[1].plot(x, [s.fork_rate * max(1, s.groups) for s in rounds], "k--", label="fork rate × groups")
-    axes[1].set_title("groups with equal rewards")
-    axes[1].legend(fontsize=8)
+    axes[1].set_ylim(0, max(1, max(s.groups for s in rounds)))
+    axes[1].set_title("groups with equal rewards (bars); fork rate (line)")
+    forks = axes[1].twinx()
+    forks.plot(x, [s.fork_rate for s in rounds], "k--", marker=".")
+    forks.set_ylim(0, 1.05)
+    forks.set_ylabel("fork rate")
     axes[2].bar([i - 0.2 for i in x], [s.rollout_s for s in rounds], 0.4, label="rollouts")
     axes[2].bar([i + 0.2 for i in x], [0 if math.isnan(s.update_s) else s.update_s + s.publish_s for s in rounds],
                 0.4, label="update + publish")  # fmt: skip
