@@ -20,7 +20,10 @@ from typing import Any
 from urllib.parse import ParseResult
 
 log = logging.getLogger("openforge.sidecar")
-TIMEOUT_S = 2.0
+# How long one question may take. A loaded policy server (its API loop busy with other requests' prefill and
+# detokenization, 2 shared cores) took over 2 s to answer the first calls of `forge demo`, whose records then said
+# "version unknown"; the call would have waited that long for the server anyway.
+TIMEOUT_S = 10.0
 
 
 def version_text(answer: Any) -> str | None:
@@ -60,10 +63,10 @@ class VersionClock:
                 version = await asyncio.wait_for(self._exchange(*connection), TIMEOUT_S)
                 self.idle.append(connection)
                 return version
-            except (OSError, TimeoutError, ValueError, asyncio.IncompleteReadError):
+            except (OSError, TimeoutError, ValueError, asyncio.IncompleteReadError) as error:
                 if connection is not None:
                     connection[1].close()
-                if attempt == 1:
+                if attempt == 1 or isinstance(error, TimeoutError):  # a server that did not answer: once is enough
                     return None
         return None
 
