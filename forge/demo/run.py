@@ -215,7 +215,7 @@ class Demo:
         self.echo = echo
         self.rounds: list[RoundStats] = []
         self.files: dict[str, Path] = {}
-        self.started = time.monotonic()
+        self.started = 0.0  # set when run() begins: the wall time counts from there
 
     def run(self) -> list[RoundStats]:
         from trainer.serve import PolicyServer, default_checkpoint, free_port
