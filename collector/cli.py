@@ -275,8 +275,16 @@ def report_command(store: str, s3_endpoint: str | None, state: Path | None, png:
 @click.option("--html", "html_path", required=True, type=click.Path(dir_okay=False, path_type=Path),
               help="Write the page here.")  # fmt: skip
 @click.option("--ids", "show_ids", is_flag=True, help="Show token ids, not the tokenizer's text.")
+@click.option("--tokenizer", "tokenizer_dir", type=click.Path(file_okay=False, path_type=Path),
+              help="The served model's tokenizer folder (default: the embedded model's, when prepared).")  # fmt: skip
 def view_command(
-    episode_id: str, store: str, s3_endpoint: str | None, state: Path | None, html_path: Path, show_ids: bool
+    episode_id: str,
+    store: str,
+    s3_endpoint: str | None,
+    state: Path | None,
+    html_path: Path,
+    show_ids: bool,
+    tokenizer_dir: Path | None,
 ) -> None:
     """Write one episode as a self-contained HTML page: calls, segments, tokens coloured by mask, rewards.
 
@@ -285,7 +293,7 @@ def view_command(
     from collector.view import render_episode, tokenizer_decoder
 
     con = connect(store, s3_endpoint, episodes=True, state_dir=state)
-    decode = None if show_ids else tokenizer_decoder()
+    decode = None if show_ids else tokenizer_decoder(tokenizer_dir)
     page = render_episode(con, episode_id, decode)
     try:
         html_path.write_text(page, encoding="utf-8")

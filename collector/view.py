@@ -8,12 +8,14 @@ Token text comes from the prepared model's tokenizer, for display only; without 
 import html
 import math
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import duckdb
 
 from collector.sql import UNKNOWN_LOGPROBS_SQL
 from forge.errors import ForgeError
+from forge.paths import default_model_root
 
 Decoder = Callable[[list[int]], list[str]]
 
@@ -36,18 +38,21 @@ td, th { border: 1px solid #ccc; padding: 2px 6px; text-align: left; }
 """
 
 
-def tokenizer_decoder() -> Decoder | None:
-    """Per-token text from the prepared model's tokenizer, or None when no model is prepared here."""
+def tokenizer_decoder(tokenizer_dir: Path | None = None) -> Decoder | None:
+    """Per-token text from a tokenizer folder (default: the embedded model's), or None when there is none here.
+
+    The viewer reads the tokenizer files only (no model, no trainer): any HF tokenizer folder of the served model.
+    """
+    folder = tokenizer_dir or default_model_root() / "bf16"
     try:
         from transformers import AutoTokenizer
         from transformers.utils import logging
 
-        from trainer.model import prepared_model
-
         logging.set_verbosity_error()  # its notes about tokenizer options are not the user's concern here
-
-        tokenizer = AutoTokenizer.from_pretrained(prepared_model().serve_dir, local_files_only=True)
-    except (OSError, ValueError, ImportError):
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError, ImportError) as error:
+        if tokenizer_dir is not None:
+            raise ForgeError(f"--tokenizer {tokenizer_dir}: no tokenizer there ({error})") from error
         return None
 
     def decode(ids: list[int]) -> list[str]:

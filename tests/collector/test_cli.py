@@ -113,6 +113,22 @@ def test_view_writes_a_page_with_every_segment_and_masked_tokens(synthetic_store
     assert missing.exit_code == 2 and "no episode 'nope'" in missing.output
 
 
+def test_view_decodes_with_the_tokenizer_folder_given_and_refuses_a_folder_without_one(
+    synthetic_store, prepared_model, tmp_path
+):
+    page_path = tmp_path / "page.html"
+    args = ("view", "compacted", "--store", synthetic_store.uri, "--html", str(page_path))
+    result = forge(*args, "--tokenizer", str(prepared_model.serve_dir))
+    assert result.exit_code == 0 and "ids shown" not in result.output, result.output
+    with_text = page_path.read_text()
+    assert forge(*args, "--ids").exit_code == 0
+    assert page_path.read_text() != with_text  # token text, not ids, in the first page
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    refused = forge(*args, "--tokenizer", str(empty))
+    assert refused.exit_code == 2 and f"--tokenizer {empty}: no tokenizer there" in refused.output
+
+
 def test_unknown_logprobs_show_in_episodes_report_and_viewer_and_an_infinite_one_is_not_collected(tmp_path):
     nan = float("nan")
     unknown, infinite = SyntheticEpisode("unknown", run_id="r"), SyntheticEpisode("infinite", run_id="r")
