@@ -31,7 +31,7 @@ import jsonpatch
 from jsonpointer import JsonPointer
 
 from forge import __version__
-from k8s.settings import EPISODE, INJECT, INJECTED, RUN, SKIPPED, TASK, VERIFIER, InjectorSettings
+from k8s.settings import EPISODE, HARNESS, INJECT, INJECTED, RUN, SKIPPED, TASK, VERIFIER, InjectorSettings
 from sidecar.ca import CaFiles
 
 NEVER_INJECTED_NAMESPACES = ("kube-system", "kube-public")
@@ -252,7 +252,8 @@ def sidecar_container(settings: InjectorSettings) -> dict[str, Any]:
         "restartPolicy": "Always",
         "command": ["forge"],
         "args": args,
-        "env": identity_env(settings),
+        # The pod's harness annotation names the harness of every call (sidecar.harness; empty when not set).
+        "env": [*identity_env(settings), _env_field("FORGE_HARNESS", f"metadata.annotations['{HARNESS}']")],
         "envFrom": [{"secretRef": {"name": settings.store_secret, "optional": True}}],
         "securityContext": _security(settings.proxy_uid),
         "resources": settings.sidecar_resources.as_spec(),

@@ -21,7 +21,7 @@ import urllib3
 
 from forge.errors import ForgeError
 from k8s.rollout import Attempt, Outcome, Rollout
-from k8s.settings import EPISODE, INJECT, RUN, TASK, VERIFIER
+from k8s.settings import EPISODE, HARNESS, INJECT, RUN, TASK, VERIFIER
 from k8s.verify import Verdict
 
 MANAGED_BY = "app.kubernetes.io/managed-by"
@@ -109,6 +109,7 @@ def job_manifest(attempt: Attempt, settings: KubernetesSettings) -> dict[str, An
                         TASK: task.id,
                         RUN: rollout.run_id,
                         VERIFIER: "verifier",
+                        **({HARNESS: task.harness} if task.harness else {}),
                     },
                 },
                 "spec": pod_spec,

@@ -22,6 +22,7 @@ SKIPPED = f"{PREFIX}/inject-skipped"  # set on a pod the webhook left alone: why
 EPISODE = f"{PREFIX}/episode-id"
 TASK = f"{PREFIX}/task-id"
 RUN = f"{PREFIX}/run-id"
+HARNESS = f"{PREFIX}/harness"  # the harness the pod runs: the sidecar labels every call with it
 VERIFIER = f"{PREFIX}/verifier-container"  # the one container (besides the sidecar) given the reward credential
 
 

@@ -14,6 +14,9 @@
   which must hold `forge` (it posts the reward) [default: the OpenForge sidecar image].
 - `timeout_s` (optional, default 600): for the harness and the verifier together.
 - `env` (optional): extra variables, name → string.
+- `harness` (optional): the harness's name in the records (`claude-code`, `codex`, `my-agent`, ...). On Kubernetes
+  it becomes the pod's `openforge.io/harness` annotation, which the sidecar reads (downward API) and which beats
+  every other sign; without it the sidecar tells the harness from the calls (sidecar/harness.py).
 """
 
 import json
@@ -25,7 +28,7 @@ from typing import Any
 from forge.errors import ForgeError
 
 TASK_ID = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9_.-]{0,38}[A-Za-z0-9])?$")
-FIELDS = {"id", "command", "verifier", "prompt", "image", "verifier_image", "timeout_s", "env"}
+FIELDS = {"id", "command", "verifier", "prompt", "image", "verifier_image", "timeout_s", "env", "harness"}
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,7 @@ class Task:
     verifier_image: str = ""
     timeout_s: float = 600.0
     env: dict[str, str] = field(default_factory=dict, hash=False)  # rollouts are keyed by task: id and argv hash
+    harness: str = ""  # the harness's name for the records (Kubernetes: the pod's openforge.io/harness annotation)
 
 
 def _argv(value: Any, name: str) -> tuple[str, ...]:
@@ -57,7 +61,7 @@ def parse_task(data: Any) -> Task:
     task_id = data.get("id")
     if not isinstance(task_id, str) or not TASK_ID.match(task_id):
         raise ValueError(f"id {task_id!r}: use 1-40 letters, digits, '-', '_' or '.' (it names Jobs and labels)")
-    for name in ("prompt", "image", "verifier_image"):
+    for name in ("prompt", "image", "verifier_image", "harness"):
         if not isinstance(data.get(name, ""), str):
             raise ValueError(f"{name} must be a string")
     timeout = data.get("timeout_s", 600)
@@ -69,7 +73,7 @@ def parse_task(data: Any) -> Task:
     return Task(
         id=task_id, command=_argv(data.get("command"), "command"), verifier=_argv(data.get("verifier"), "verifier"),
         prompt=data.get("prompt", ""), image=data.get("image", ""), verifier_image=data.get("verifier_image", ""),
-        timeout_s=float(timeout), env=dict(env),
+        timeout_s=float(timeout), env=dict(env), harness=data.get("harness", "").strip(),
     )  # fmt: skip
 
 

@@ -2,7 +2,7 @@
 
 A user agent alone mislabels harnesses built on an SDK (mini-swe-agent and smolagents send openai-python's,
 OpenClaw openai-node's). So a call is attributed, first match wins, from:
-1. the operator: ``FORGE_HARNESS`` in the sidecar's environment (in a pod, from its ``openforge.dev/harness``
+1. the operator: ``FORGE_HARNESS`` in the sidecar's environment (in a pod, from its ``openforge.io/harness``
    annotation through the downward API) names the harness of every call;
 2. what the harness says of itself: a user-agent fragment or a header only it sends;
 3. the request's shape: the start of its system prompt (Chat ``system``/``developer`` message, Responses

@@ -108,6 +108,7 @@ def test_the_injected_commands_make_a_recording_pod(tmp_path):
                 "POD_NAME": "forge-run9-add-0",
                 "POD_UID": "0d3c",
                 "POD_NAMESPACE": "openforge-rollouts",
+                "FORGE_HARNESS": "my-agent",  # the pod's openforge.io/harness annotation
             }
             env = {"PATH": "/usr/bin:/bin", "HOME": str(work / "wal"), **downward_api}  # fmt: skip
             sidecar = net.pod.popen(command, work / "sidecar.log", uid=PROXY_UID, env=env)
@@ -130,6 +131,7 @@ def test_the_injected_commands_make_a_recording_pod(tmp_path):
             (call,) = wait_for(lambda: read_calls(str(work / "store")), what="the pod's call record")
             assert call["episode_id"] == "run9.add.0" and call["task_id"] == "add" and call["run_id"] == "run9"
             assert call["host"] == MODEL_HOST and call["status"] == "ok"
+            assert call["harness"] == "my-agent"  # the annotation beats curl's own user agent
 
             # The harness has no token: its reward is refused. The verifier's `forge verify` has it: recorded.
             forged = net.pod.run(

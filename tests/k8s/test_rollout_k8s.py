@@ -15,7 +15,7 @@ from kubernetes import client
 from k8s import inject
 from k8s.kube import KUEUE_QUEUE, KubernetesBackend, KubernetesSettings, job_manifest, job_name
 from k8s.rollout import Attempt, Rollout, orchestrate, rollouts_for
-from k8s.settings import EPISODE, INJECT, RUN, TASK, InjectorSettings
+from k8s.settings import EPISODE, HARNESS, INJECT, RUN, TASK, InjectorSettings
 from k8s.tasks import Task
 from tests.k8s.fake_apiserver import FakeApiServer
 from trainer.serve import free_port
@@ -98,6 +98,20 @@ def test_the_webhook_gives_the_reward_credential_to_the_jobs_verifier_only():
     assert holders == {inject.SIDECAR, "verifier"}
     order = [c["name"] for c in spec["initContainers"]]
     assert order == [inject.NET_INIT, inject.CA_INIT, inject.SIDECAR, "harness"]  # the harness runs behind it
+
+
+def test_a_tasks_harness_is_the_pods_annotation_and_only_the_sidecar_reads_it():
+    named = Task("cc", ("claude", "-p", "hi"), ("true",), harness="claude-code")
+    job = job_manifest(Attempt(Rollout(named, 0, "run4"), 1), KubernetesSettings())
+    assert job["spec"]["template"]["metadata"]["annotations"][HARNESS] == "claude-code"
+    plain = job_manifest(Attempt(Rollout(TASKS[0], 0, "run4"), 1), KubernetesSettings())
+    assert HARNESS not in plain["spec"]["template"]["metadata"]["annotations"]
+    _, injected = inject.render(job, None, InjectorSettings())
+    kubernetes_validate.validate(injected, "1.33.0", strict=True)
+    spec = injected["spec"]["template"]["spec"]
+    readers = {c["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for c in spec["initContainers"] + spec["containers"]
+               for e in c.get("env") or [] if e["name"] == "FORGE_HARNESS"}  # fmt: skip
+    assert readers == {inject.SIDECAR: f"metadata.annotations['{HARNESS}']"}
 
 
 def test_job_names_are_dns_labels_unique_per_attempt():
