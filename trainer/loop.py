@@ -59,6 +59,10 @@ KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "k2+", "k
 CORRECTIONS = ("bypass", "decoupled")
 
 
+class NothingReady(ForgeError):
+    """Trainer.step(every_ready=True) found no whole group to train on."""
+
+
 @dataclass
 class TrainSettings:
     store: str
@@ -251,9 +255,11 @@ class Trainer:
                 out.write(line + "\n")
             print(line, flush=True)
 
-    def step(self) -> dict[str, Any]:
+    def step(self, every_ready: bool = False) -> dict[str, Any]:
+        """One update, publish and commit. every_ready: on every whole group ready now, without waiting for
+        --episodes-per-step (forge demo's rounds); NothingReady when there is none."""
         s, version = self.settings, self.state.version
-        segments, episode_ids, aged, ages = self.wait_for_episodes()
+        segments, episode_ids, aged, ages = self.wait_for_episodes(every_ready)
         batch = rows_from_segments(segments)
         if not batch.rows:
             raise ForgeError(f"the episodes of v{version} hold nothing trainable ({batch.skipped})")
@@ -291,21 +297,26 @@ class Trainer:
                 raise ForgeError("veRL reported no finite kl_loss with --kl-coef: the KL term did not run")
         return metrics
 
-    def wait_for_episodes(self) -> tuple[pa.Table, list[str], list[str], list[int]]:
-        """Poll the collector until enough whole groups are ready (bounded by --wait-timeout, with a bar)."""
+    def wait_for_episodes(self, every_ready: bool = False) -> tuple[pa.Table, list[str], list[str], list[int]]:
+        """Poll the collector until enough whole groups are ready (bounded by --wait-timeout, with a bar); with
+        every_ready, take every whole group ready now (NothingReady when none is)."""
         s, version = self.settings, self.state.version
         exclude = set(self.state.trained) | set(self.state.skipped)
         deadline = time.monotonic() + s.wait_timeout
+        wanted = 1 << 30 if every_ready else s.episodes_per_step
         bar = tqdm(total=s.episodes_per_step, desc=f"episodes of v{version}", unit="ep", leave=False,
-                   disable=None, file=sys.stderr)  # fmt: skip
+                   disable=True if every_ready else None, file=sys.stderr)  # fmt: skip
         try:
             while True:
                 collection = self.collector.update()
                 chosen, aged, waiting = select_groups(collection.episodes, version, s.mode, s.staleness, exclude,
-                                                      s.episodes_per_step)  # fmt: skip
+                                                      wanted)  # fmt: skip
                 bar.n = min(len(chosen), s.episodes_per_step)
                 bar.refresh()
-                if len(chosen) >= s.episodes_per_step:
+                if every_ready and not chosen:
+                    why = ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in waiting.items()) or "no episodes"
+                    raise NothingReady(f"no whole group of v{version} is ready in {s.store} ({why})")
+                if every_ready or len(chosen) >= s.episodes_per_step:
                     break
                 if time.monotonic() >= deadline:
                     why = ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in waiting.items()) or "no episodes"

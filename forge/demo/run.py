@@ -246,7 +246,7 @@ class Demo:
         return self.rounds
 
     def _rounds(self, tasks: list[Task], policy_url: str) -> None:
-        from trainer.loop import Trainer, TrainSettings, select_groups
+        from trainer.loop import NothingReady, Trainer, TrainSettings
 
         s = self.settings
         trainer = Trainer(
@@ -277,21 +277,19 @@ class Demo:
             for failed in (r for r in results if not r.ok):
                 self.echo(f"forge demo:   rollout {failed.rollout.episode_id} failed, no reward: "
                           f"{'; '.join(failed.reasons)}")  # fmt: skip
-            exclude = set(trainer.state.trained) | set(trainer.state.skipped)
-            chosen, _, _ = select_groups(collection.episodes, version, "sync", 0, exclude, 1 << 30)
             if stats.zero_variance_groups == stats.groups:
                 stats.note = "every group's rewards are equal: GRPO has nothing to learn from this round"
-            if not chosen:
-                stats.note = "no complete episode: no update this round"
+            try:
+                metrics = trainer.step(every_ready=True)
+            except NothingReady as error:
+                stats.note = f"no update this round: {error}"
                 self.echo(f"forge demo:   {stats.note}")
             else:
-                trainer.settings.episodes_per_step = len(chosen)
-                metrics = trainer.step()
                 with metrics_file.open("a") as out:
                     out.write(json.dumps({"round": number, **metrics}, default=str) + "\n")
                 stats.update_s, stats.publish_s = metrics["update_s"], metrics["publish_s"]
                 stats.new_version = trainer.state.version
-                self.echo(f"forge demo:   update on {len(chosen)} episodes: {metrics['update_s']:.1f} s; v"
+                self.echo(f"forge demo:   update on {metrics['episodes']} episodes: {metrics['update_s']:.1f} s; v"
                           f"{stats.new_version} published and verified in {metrics['publish_s']:.2f} s (probe "
                           f"difference {metrics['probe_diff']:.1e})")  # fmt: skip
             self.rounds.append(stats)
