@@ -87,6 +87,7 @@ class Handler(BaseHTTPRequestHandler):
             model = {"id": "fake-policy", "object": "model", "max_model_len": 16384}  # vLLM's context, as the tests'
             self.send_json(200, {"object": "list", "data": [model]})
         elif self.path.startswith("/weight_info"):
+            self.server.weight_questions += 1  # type: ignore[attr-defined]
             self.send_json(200, {"weight_version": self.server.weight_version})  # type: ignore[attr-defined]
         else:
             self.send_json(200, {"path": self.path, "upstream": "fake"})
@@ -169,7 +170,13 @@ class FakeUpstream:
         self.server.daemon_threads = True
         self.server.requests = []  # type: ignore[attr-defined]
         self.server.weight_version = "fake-1"  # type: ignore[attr-defined]
+        self.server.weight_questions = 0  # type: ignore[attr-defined]
         self.server.script = collections.deque()  # type: ignore[attr-defined]
+
+    @property
+    def weight_questions(self) -> int:
+        """How many times GET /weight_info was asked."""
+        return self.server.weight_questions  # type: ignore[attr-defined]
 
     @property
     def weight_version(self) -> str:

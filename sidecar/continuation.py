@@ -423,6 +423,9 @@ class Continuations:
         decision and, when it is to be served tokens-in, the /v1/completions request."""
         if not episode_sequences or not self.eligible(api, body, added):
             return None
+        messages = body.get("messages")
+        if not any(isinstance(m, dict) and m.get("role") == "assistant" for m in messages or ()):
+            return None  # no answer sent back as history: nothing sampled to re-tokenize (no render asked)
         started = time.perf_counter()
         model = str(body.get("model"))
         rendered = await self._call(RENDER_PATH, {**body, "stream": False, "stream_options": None})

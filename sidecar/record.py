@@ -199,6 +199,21 @@ def _coerce(value: Any, kind: pa.DataType) -> Any:
     return None
 
 
+def _coercer(kind: pa.DataType) -> Any:
+    """_coerce for one column type, with a fast path for a value already of the column's plain Python type."""
+    if pa.types.is_string(kind):
+        return lambda value: value if type(value) is str and value.isascii() else _coerce(value, kind)
+    if pa.types.is_list(kind):
+        return lambda value: value if type(value) is bytes and len(value) % 4 == 0 else _coerce(value, kind)
+    return lambda value: _coerce(value, kind)
+
+
+_COERCERS = {
+    table: [(field.name, _coercer(field.type)) for field in schema if field.name != "schema_version"]
+    for table, schema in TABLES.items()
+}
+
+
 def checked_row(table: str, row: CallRecord | dict[str, Any]) -> dict[str, Any]:
     """A record with every value checked and coerced to its column's type, so writing it can never fail later.
 
@@ -206,5 +221,5 @@ def checked_row(table: str, row: CallRecord | dict[str, Any]) -> dict[str, Any]:
     (a model name that is a number or a list), or dropped (null) where the column cannot hold it (an out-of-range
     integer, a non-finite reward); unknown keys are dropped.
     """
-    schema = TABLES[table]
-    return {field.name: _coerce(row.get(field.name), field.type) for field in schema if field.name != "schema_version"}
+    get = row.get
+    return {name: coerce(get(name)) for name, coerce in _COERCERS[table]}

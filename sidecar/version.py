@@ -4,9 +4,12 @@ after it was answered. A call whose two differ straddled a publish.
 vLLM's OpenAI endpoints do not say which weights served a request, so each call is bracketed by two questions to
 ``GET /weight_info``. Both are shared between calls without losing exactness (the version only moves forward):
 
-- before: a question already in flight when the call arrives answers for it too (it was answered before the call
-  is sent, so it names a version no newer than the one the call meets); else one is asked, on a kept-alive
-  connection, and the call waits for it (about 0.3 ms on loopback; on a busy server up to one engine step).
+- before: the newest answer to any question (before or after another call) serves when its question was sent at
+  most ``FRESH_S`` ago: it was answered before this call is sent, so it names a version no newer than the one the
+  call meets. Else a question already in flight answers for it too, or one is asked, on a kept-alive connection,
+  and the call waits for it (about 0.3 ms on loopback; on a busy server up to one engine step). Calls that follow
+  each other closely (a harness's turns, many clients) thus ask nothing before they are sent. The price: a call
+  sent within ``FRESH_S`` after a publish may be recorded as straddling it (two versions) when it was not.
 - after: one worker thread asks for every call answered before its question began, then completes their WAL rows.
 """
 
@@ -14,6 +17,7 @@ import asyncio
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable
 from http.client import HTTPConnection, HTTPException, HTTPSConnection
 from typing import Any
@@ -24,6 +28,7 @@ log = logging.getLogger("openforge.sidecar")
 # detokenization, 2 shared cores) took over 2 s to answer the first calls of `forge demo`, whose records then said
 # "version unknown"; the call would have waited that long for the server anyway.
 TIMEOUT_S = 10.0
+FRESH_S = 0.05  # an answer to a question sent at most this long ago stands for a call's version before it is sent
 
 
 def version_text(answer: Any) -> str | None:
@@ -39,21 +44,36 @@ class VersionClock:
         self.in_flight: asyncio.Future[str | None] | None = None
         self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
         self.waiting: list[int] = []
+        self.known: tuple[float, str] | None = None  # (when its question was sent, monotonic; the version)
+        self.known_lock = threading.Lock()
         self.lock = threading.Condition()
         self.stopped = False
         self.thread = threading.Thread(target=self._after_loop, name="forge-version", daemon=True)
         self.thread.start()
 
     # -- before: on the event loop ------------------------------------------------------------------------------
+    def _learn(self, asked_at: float, version: str | None) -> None:
+        if version is None:
+            return
+        with self.known_lock:
+            if self.known is None or asked_at >= self.known[0]:
+                self.known = (asked_at, version)
+
     async def before(self) -> str | None:
-        """The server's version now (None: unknown); shares a question already in flight."""
+        """The server's version now (None: unknown): a fresh answer, else a question in flight or a new one."""
+        known = self.known
+        if known is not None and time.monotonic() - known[0] <= FRESH_S:
+            return known[1]
         if self.in_flight is None or self.in_flight.done():
             self.in_flight = asyncio.ensure_future(self._ask())
         return await asyncio.shield(self.in_flight)
 
     async def _ask(self) -> str | None:
         for attempt in range(2):  # a kept-alive connection the server closed meanwhile: once more on a new one
-            connection = self.idle.pop() if self.idle else None
+            # Only the first attempt takes a kept-alive connection: the server closes idle ones (uvicorn after
+            # 5 s), and a second stale one would leave the call's version unknown.
+            connection = self.idle.pop() if self.idle and attempt == 0 else None
+            asked_at = time.monotonic()
             try:
                 if connection is None:
                     connection = await asyncio.wait_for(
@@ -62,6 +82,7 @@ class VersionClock:
                     )  # fmt: skip
                 version = await asyncio.wait_for(self._exchange(*connection), TIMEOUT_S)
                 self.idle.append(connection)
+                self._learn(asked_at, version)
                 return version
             except (OSError, TimeoutError, ValueError, asyncio.IncompleteReadError) as error:
                 if connection is not None:
@@ -98,6 +119,7 @@ class VersionClock:
                 rows, self.waiting = self.waiting, []
             version = None  # asked after every one of these calls was answered: one question serves them all
             for _ in range(2):
+                asked_at = time.monotonic()
                 try:
                     if connection is None:
                         kind = HTTPSConnection if self.upstream.scheme == "https" else HTTPConnection
@@ -106,6 +128,7 @@ class VersionClock:
                     answer = connection.getresponse()
                     data = answer.read()
                     version = version_text(json.loads(data)) if answer.status == 200 else None
+                    self._learn(asked_at, version)
                     break
                 except (OSError, HTTPException, ValueError):
                     connection.close() if connection else None

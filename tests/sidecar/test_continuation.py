@@ -83,6 +83,7 @@ class _CannedServer(continuation.Continuations):
         self.rendered_ids = rendered_ids
 
     async def _call(self, path: str, payload: dict) -> dict:
+        self.asked = getattr(self, "asked", 0) + 1
         if path == continuation.RENDER_PATH:
             asked = payload.get("max_tokens") or 100
             return {"token_ids": self.rendered_ids, "sampling_params": {"max_tokens": min(asked, 100 - 8)}}
@@ -98,7 +99,11 @@ def test_a_tokens_in_call_is_bounded_as_its_record_says(asked):
     rendered = [1, 5, 6, 12, 13, EOT, 198, 7]  # 8 ids; the tokens-in prompt is 7
     body: dict = {
         "model": "m",
-        "messages": [{"role": "user", "content": "x"}],
+        "messages": [
+            {"role": "user", "content": "x"},
+            {"role": "assistant", "content": "y"},
+            {"role": "user", "content": "z"},
+        ],
         **({"max_tokens": asked} if asked else {}),
     }
     bound = bound_completion("chat", body, cap=None, context=100)
@@ -111,6 +116,20 @@ def test_a_tokens_in_call_is_bounded_as_its_record_says(asked):
     assert decision.state == "tokens_in" and request is not None
     assert request["prompt"] == [1, 5, 6, 10, EOT, 198, 7]
     assert request["max_tokens"] == bound.served(len(request["prompt"])) == min(asked or 100, 100 - 7)
+
+
+def test_a_call_with_no_answer_in_its_history_asks_the_server_nothing():
+    """Only a sampled answer sent back as history can be re-tokenized: a call whose messages hold no assistant
+    turn (a sub-agent's first call, a fresh question in the same episode) costs no render round trip."""
+    body = {"model": "m", "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "x"}]}
+    server = _CannedServer([1, 5, 6, 12, 13, EOT, 198, 7])
+    packed = array("i", [1, 5, 6, 10, EOT]).tobytes()
+    added = openai.prepare_request("chat", body)
+    assert asyncio.run(server.examine("chat", [("c0", packed)], body, added, "/v1/chat/completions")) is None
+    assert getattr(server, "asked", 0) == 0
+    with_answer = {**body, "messages": [*body["messages"], {"role": "assistant", "content": "y"}]}
+    asyncio.run(server.examine("chat", [("c0", packed)], with_answer, added, "/v1/chat/completions"))
+    assert server.asked >= 1
 
 
 def test_tokens_in_additions_are_the_wire_apis_own():

@@ -7,6 +7,7 @@ import random
 import struct
 import subprocess
 import sys
+import time
 import zlib
 from array import array
 from pathlib import Path
@@ -316,3 +317,37 @@ def test_a_held_row_whose_value_never_comes_goes_on_after_the_hold(tmp_path, mon
 
 def test_the_typed_call_record_has_exactly_the_schema_columns():
     assert set(CallRecord.__annotations__) == {f.name for f in CALL_SCHEMA} - {"schema_version"}
+
+
+def test_a_fresh_version_answer_serves_the_next_call_and_a_stale_one_is_asked_again(monkeypatch):
+    """The version before a call: an answer to a question sent within FRESH_S stands (it was answered before the
+    call is sent, so it is no newer than what serves the call); an older one is asked again, and a publish shows."""
+    import asyncio
+    from urllib.parse import urlparse
+
+    from bench.fake_upstream import FakeUpstream
+    from sidecar import version
+
+    completed: list[tuple[int, str | None]] = []
+    with FakeUpstream() as upstream:
+        clock = version.VersionClock(urlparse(upstream.url), lambda row, v: completed.append((row, v)))
+        try:
+
+            async def scenario() -> list[str | None]:
+                monkeypatch.setattr(version, "FRESH_S", 60.0)
+                seen = [await clock.before(), await clock.before()]  # the second is served by the first's answer
+                asked = upstream.weight_questions
+                upstream.weight_version = "fake-2"  # a publish
+                monkeypatch.setattr(version, "FRESH_S", 0.0)
+                seen.append(await clock.before())  # stale: asked again, the publish shows
+                return [*seen, str(asked)]
+
+            assert asyncio.run(scenario()) == ["fake-1", "fake-1", "fake-2", "1"]
+            assert upstream.weight_questions == 2
+            clock.after(7)  # the after question also feeds the answer the next call may use
+            deadline = time.monotonic() + 10
+            while not completed and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert completed == [(7, "fake-2")] and clock.known is not None and clock.known[1] == "fake-2"
+        finally:
+            clock.stop()
