@@ -351,3 +351,30 @@ def test_a_fresh_version_answer_serves_the_next_call_and_a_stale_one_is_asked_ag
             assert completed == [(7, "fake-2")] and clock.known is not None and clock.known[1] == "fake-2"
         finally:
             clock.stop()
+
+
+def test_kept_alive_version_connections_the_server_closed_never_leave_a_version_unknown():
+    """A policy server closes idle kept-alive connections (uvicorn after 5 s). With several of them pooled (calls
+    at once asked at once), the retry must open a new connection, not take a second closed one."""
+    import asyncio
+    import socket
+    from urllib.parse import urlparse
+
+    from bench.fake_upstream import FakeUpstream
+    from sidecar import version
+
+    with FakeUpstream() as upstream, socket.create_server(("127.0.0.1", 0)) as closer:
+        clock = version.VersionClock(urlparse(upstream.url), lambda row, v: None)
+        try:
+
+            async def scenario() -> str | None:
+                for _ in range(2):  # two pooled connections whose server end is gone
+                    stale = await asyncio.open_connection(*closer.getsockname())
+                    closer.accept()[0].close()
+                    clock.idle.append(stale)
+                await asyncio.sleep(0.05)
+                return await clock.before()
+
+            assert asyncio.run(scenario()) == "fake-1"
+        finally:
+            clock.stop()
