@@ -66,8 +66,18 @@ log = logging.getLogger("openforge.sidecar")
 EPISODE_HEADER = "x-forge-episode-id"
 TASK_HEADER = "x-forge-task-id"
 HOP_SECRETS = ("authorization", "x-api-key", "api-key")  # the policy server needs none of the harness's keys
+_STRIPPED = tuple(name.encode() for name in (EPISODE_HEADER, TASK_HEADER, *HOP_SECRETS))
 DEFAULT_MODEL_HOSTS = "api.openai.com,api.anthropic.com"
 MAX_RECORDED_BODY = 4 << 20  # bodies bigger than this are recorded as a note, not copied
+CONTEXT_RETRY_S = 10.0  # how often calls may ask a policy server that did not say its context (max_model_len)
+
+
+def header_map(headers: http.Headers) -> dict[str, str]:
+    """A request's headers as lower-case name → first value, read from mitmproxy's raw fields in one pass."""
+    found: dict[str, str] = {}
+    for name, value in headers.fields:
+        found.setdefault(name.decode("latin-1").lower(), value.decode("utf-8", "surrogateescape"))
+    return found
 
 
 def proxy_identity(user: str | None) -> tuple[str | None, str | None]:
@@ -106,6 +116,7 @@ class Call:
     error: str | None = None
     bound: apis.CompletionBound | None = None  # how the completion's length was bounded
     harness: str | None = None  # which harness made the call (sidecar.harness)
+    user_agent: str | None = None
     continuation: Decision | None = None  # what tokens-in continuation found (sidecar/continuation.py)
 
 
@@ -122,6 +133,7 @@ class Forge:
         self.policy_version: str | None = None  # fixed by --policy-version; else asked per call
         self.policy_model: str | None = None
         self.policy_context: int | None = None  # the policy server's max_model_len, asked once (GET /v1/models)
+        self.context_asked_at = -CONTEXT_RETRY_S  # a call asks at most this often (the poller keeps asking)
         self.model_hosts: set[str] = set()
         self.model_map: list[tuple[str, str]] = []
         self.upstream = urlparse("http://127.0.0.1:8000")
@@ -303,7 +315,10 @@ class Forge:
             return
         try:
             if api in apis.RECORDED:
-                if self.policy_context is None:  # a call before the first poll: its bound needs the context
+                if self.policy_context is None and time.monotonic() - self.context_asked_at >= CONTEXT_RETRY_S:
+                    # A call before the first poll: its bound needs the context. A server that does not say it
+                    # (no max_model_len, not vLLM) is asked again only now and then, never by every call.
+                    self.context_asked_at = time.monotonic()
                     await self._learn_context()
                 self._begin(flow, api)
                 call: Call = flow.metadata["forge_call"]
@@ -366,14 +381,14 @@ class Forge:
             return None
         return apis.api_for(flow.request.method, flow.request.path)
 
-    def _identity(self, flow: http.HTTPFlow) -> tuple[str, str | None, str]:
+    def _identity(self, flow: http.HTTPFlow, headers: dict[str, str]) -> tuple[str, str | None, str]:
         """Episode, task and run of a call. The operator's flags come first. In a pod (POD_UID or FORGE_EPISODE_ID
         from the downward API) the pod's identity comes next and what a client says (header, proxy user name) is
         ignored and counted, unless --trust-episode-header: the agent runs shell commands in that pod."""
         o = ctx.options
         proxy_user, proxy_task = proxy_identity((flow.metadata.get("proxyauth") or (None,))[0])
-        claimed_episode = proxy_user or flow.request.headers.get(EPISODE_HEADER)
-        claimed_task = proxy_task or flow.request.headers.get(TASK_HEADER)
+        claimed_episode = proxy_user or headers.get(EPISODE_HEADER)
+        claimed_task = proxy_task or headers.get(TASK_HEADER)
         pod_task = os.environ.get("FORGE_TASK_ID")
         if self.pod_episode and not o.forge_trust_episode_header:
             episode = o.forge_episode_id or self.pod_episode
@@ -393,7 +408,8 @@ class Forge:
         return episode, task, run
 
     def _begin(self, flow: http.HTTPFlow, api: str) -> None:
-        episode, task, run = self._identity(flow)
+        headers = header_map(flow.request.headers)  # read once: mitmproxy's multidict lookups cost per call
+        episode, task, run = self._identity(flow, headers)
         assert self.writer is not None
         seq = self.writer.next_seq(episode)
         call = Call(
@@ -403,7 +419,7 @@ class Forge:
             secrets=secrets_in_headers(flow.request.headers) + self.secrets,
             host=flow.request.host_header or flow.request.pretty_host, path=flow.request.path.split("?", 1)[0],
         )  # fmt: skip
-        call.harness = harness.detect(api, flow.request.headers, None)
+        call.user_agent = headers.get("user-agent")
         flow.metadata["forge_call"] = call
         self.in_flight[call.call_id] = (flow, call)
         self._strip_hop_secrets(flow)
@@ -419,9 +435,10 @@ class Forge:
             call.request_json = json.dumps(
                 {"note": "unparsable request", "bytes": len(flow.request.raw_content or b"")}
             )
+            call.harness = harness.detect(api, headers, None)
             return
         call.secrets += secrets_in_body(body)
-        call.harness = harness.detect(api, flow.request.headers, body)
+        call.harness = harness.detect(api, headers, body)
         size = len(content or b"")
         # The record keeps the request as the harness sent it (redacted), not as the upstream got it.
         call.request_json = (
@@ -455,8 +472,10 @@ class Forge:
             flow.request.content = json.dumps(body, ensure_ascii=False).encode()
 
     def _strip_hop_secrets(self, flow: http.HTTPFlow) -> None:
-        for name in (EPISODE_HEADER, TASK_HEADER, *HOP_SECRETS):
-            flow.request.headers.pop(name, None)
+        present = {name.lower() for name, _ in flow.request.headers.fields}
+        for name in _STRIPPED:
+            if name in present:
+                flow.request.headers.pop(name.decode(), None)
         if key := os.environ.get("FORGE_UPSTREAM_API_KEY"):
             flow.request.headers["authorization"] = f"Bearer {key}"
 
@@ -583,7 +602,7 @@ class Forge:
                 self.prefixes.remember(call.episode_id, call.call_id, prompt + completion)
         if response_json is None and call.stream is not None:
             response_json = redacted_json(call.stream.summary(), call.secrets)
-        user_agent = flow.request.headers.get("user-agent")
+        user_agent = call.user_agent
         request = (
             self.requests.split(call.episode_id, call.request_json)
             if call.request_json is not None

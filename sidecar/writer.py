@@ -31,7 +31,7 @@ import threading
 import time
 import zlib
 from array import array
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -153,7 +153,9 @@ class RecordWriter:
         self.db = open_wal(wal_dir, fsync)
         self.pending_bytes = 0
         self.sidecar_id = self._meta("sidecar_id") or self._new_identity()
+        self.seqs: OrderedDict[str, int] = OrderedDict()  # episode -> next seq, most recently used last
         imported = import_legacy_segments(wal_dir, self)
+        self._recover_seqs()
         with self.lock:
             self.pending_bytes = self.db.execute("SELECT COALESCE(SUM(size), 0) FROM records").fetchone()[0]
             left = self.db.execute("SELECT COUNT(*) FROM records").fetchone()[0]
@@ -174,14 +176,42 @@ class RecordWriter:
         return identity
 
     def next_seq(self, episode_id: str) -> int:
-        """The episode's next call number, persisted: a restarted sidecar goes on counting where it stopped."""
+        """The episode's next call number: a restarted sidecar goes on counting where it stopped.
+
+        Counted in memory (no disk write per call). What persists it: the records themselves (a record in the WAL
+        carries its seq; a restart reads the highest per episode back, ``_recover_seqs``), the ``episodes`` table
+        (a batch's highest seq per episode is written there in the transaction that takes its rows out of the
+        WAL), and a graceful close. A number handed to a call that was never recorded may be handed out again
+        after a crash: no record carries it."""
         with self.lock:
-            (seq,) = self.db.execute(
-                "INSERT INTO episodes VALUES (?, 1, ?) ON CONFLICT (episode_id) DO UPDATE "
-                "SET next_seq = next_seq + 1, touched = excluded.touched RETURNING next_seq - 1",
-                (episode_id, time.time()),
-            ).fetchone()
-        return int(seq)
+            seq = self.seqs.pop(episode_id, None)
+            if seq is None:
+                found = self.db.execute("SELECT next_seq FROM episodes WHERE episode_id = ?", (episode_id,)).fetchone()
+                seq = int(found[0]) if found else 0
+            self.seqs[episode_id] = seq + 1
+            if len(self.seqs) > MAX_EPISODE_COUNTERS:  # the least recently used counter goes to disk
+                self._persist_seqs([self.seqs.popitem(last=False)])
+        return seq
+
+    def _persist_seqs(self, counters: list[tuple[str, int]]) -> None:
+        """Raise the stored next seq of these episodes to at least these values (lock held)."""
+        self.db.executemany(
+            "INSERT INTO episodes VALUES (?, ?, ?) ON CONFLICT (episode_id) DO UPDATE "
+            "SET next_seq = MAX(next_seq, excluded.next_seq), touched = excluded.touched",
+            [(episode, value, time.time()) for episode, value in counters],
+        )
+
+    def _recover_seqs(self) -> None:
+        """Fold the seqs of the call records still in the WAL (a crash before their flush) into ``episodes``."""
+        with self.lock, self.db:
+            self.db.execute(
+                "INSERT INTO episodes (episode_id, next_seq, touched) "
+                "SELECT json_extract(fields, '$.episode_id'), MAX(json_extract(fields, '$.seq')) + 1, ? FROM records "
+                "WHERE tbl = 'calls' AND json_type(fields, '$.episode_id') = 'text' "
+                "AND json_type(fields, '$.seq') = 'integer' GROUP BY 1 "
+                "ON CONFLICT (episode_id) DO UPDATE SET next_seq = MAX(next_seq, excluded.next_seq)",
+                (time.time(),),
+            )
 
     # -- writing ----------------------------------------------------------------------------------------------
     def append(self, table: str, row: dict[str, Any], hold: bool = False) -> int | None:
@@ -339,7 +369,13 @@ class RecordWriter:
                 if not self.store.write_parquet_new(name, arrow):
                     log.info("%s is already in the store (written before a restart): kept as it is", name)
                 written += 1
+        highest: dict[str, int] = {}  # each episode's next seq, kept on disk once its records leave the WAL
+        for row in rows if table == "calls" else ():
+            episode, seq = row.get("episode_id"), row.get("seq")
+            if isinstance(episode, str) and isinstance(seq, int):
+                highest[episode] = max(highest.get(episode, 0), seq + 1)
         with self.lock, self.db:  # the rows leave the WAL only now, in one transaction
+            self._persist_seqs(list(highest.items()))
             where = ("tbl = ? AND id BETWEEN ? AND ?", (table, first, last))
             (freed,) = self.db.execute(
                 f"SELECT COALESCE(SUM(size), 0) FROM records WHERE {where[0]}", where[1]
@@ -393,6 +429,8 @@ class RecordWriter:
                 break
             time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
         with self.lock:
+            with self.db:
+                self._persist_seqs(list(self.seqs.items()))
             self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         if not done:
             log.error("shutting down with records not yet in the store: they stay in %s and are replayed", self.wal_dir)

@@ -378,3 +378,23 @@ def test_kept_alive_version_connections_the_server_closed_never_leave_a_version_
             assert asyncio.run(scenario()) == "fake-1"
         finally:
             clock.stop()
+
+
+def test_after_a_crash_the_count_goes_on_from_the_records_whether_flushed_or_still_in_the_wal(tmp_path):
+    """seq is counted in memory; a writer that dies without closing leaves records in the WAL or the store, and
+    the next one counts on from the highest recorded seq of each episode."""
+    crashed, _ = make_writer(tmp_path)
+    assert [crashed.next_seq("e") for _ in range(3)] == [0, 1, 2]
+    for n in range(3):
+        crashed.append("calls", row(n, "e"))
+    crashed.cut_batches(everything=True)
+    assert crashed.flush_batches()  # e's records left the WAL: the episodes table holds its count
+    assert [crashed.next_seq("w") for _ in range(2)] == [0, 1]
+    for n in range(2):
+        crashed.append("calls", {**row(10 + n, "w"), "seq": n})  # still in the WAL at the crash
+    assert crashed.next_seq("never-recorded") == 0
+    crashed.stopping.set()  # no close(): nothing is persisted on the way out
+    again, _ = make_writer(tmp_path)
+    assert again.next_seq("e") == 3 and again.next_seq("w") == 2
+    assert again.next_seq("never-recorded") == 0  # no record carries it: the number may be handed out again
+    assert again.close()
