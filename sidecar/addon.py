@@ -40,7 +40,7 @@ from mitmproxy import ctx, http
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # mitmdump loads this file as a script
 
 from sidecar import __version__ as SIDECAR_VERSION
-from sidecar import apis, harness, transparent
+from sidecar import apis, codec, harness, transparent
 from sidecar.admin import DEFAULT_TOKEN_FILE, AdminServer, TokenFileError, create_token_file, read_token_file
 from sidecar.apis.base import Sampled, Served, StreamState, WireApi
 from sidecar.apis.errors import error_body, error_headers
@@ -427,7 +427,7 @@ class Forge:
         try:
             flow.request.decode(strict=True)  # vLLM reads no gzip/br/zstd bodies: send them on decoded
             content = flow.request.raw_content
-            body = json.loads(content or b"")
+            body = codec.loads(content or b"")
             if not isinstance(body, dict):
                 raise ValueError("the body is not a JSON object")
         except ValueError as error:  # malformed JSON, non-JSON content type, undecodable encoding
@@ -460,7 +460,7 @@ class Forge:
             return
         if call.added.upstream_path:
             flow.request.path = call.added.upstream_path
-        flow.request.content = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+        flow.request.content = codec.dumps(body)
 
     def _map_model(self, flow: http.HTTPFlow) -> None:
         try:
@@ -563,16 +563,16 @@ class Forge:
             self._record(flow, call, status="error")
             return
         try:
-            answer = json.loads(response.get_content(strict=True) or b"")
+            answer = codec.loads(response.get_content(strict=True) or b"")
         except ValueError:
             call.error = "the upstream's answer is not JSON"
             self._record(flow, call, status="error")
             return
         sampled, answer = call.added.finish(answer)
         call.first_token_at = int((response.timestamp_start or time.time()) * 1e6)
-        text = json.dumps(answer, ensure_ascii=False, separators=(",", ":"))
-        self._record(flow, call, status="ok", sampled=sampled, response_json=redacted_text(text, call.secrets))
-        response.content = text.encode()
+        data = codec.dumps(answer)
+        self._record(flow, call, status="ok", sampled=sampled, response_json=redacted_text(data.decode(), call.secrets))
+        response.content = data
 
     def _record(
         self, flow: http.HTTPFlow, call: Call, status: str, sampled: Sampled | None = None,

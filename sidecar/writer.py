@@ -38,6 +38,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from sidecar import codec
 from sidecar.metrics import Metrics
 from sidecar.record import SCHEMA_VERSION, TABLES
 from sidecar.store import Store
@@ -219,7 +220,7 @@ class RecordWriter:
         record is dropped. ``hold``: a value of the record is still to come (``complete``); the row waits for it,
         at most ``HOLD_S``, before it goes into a batch."""
         fields = {k: v for k, v in row.items() if k not in _RAW}
-        text = json.dumps(fields, ensure_ascii=False, separators=(",", ":"), default=str)
+        text = codec.dumps_text(fields, default=str)
         raw = [row.get(name) for name in _BLOBS] + [_text_or_none(row.get(name)) for name in _TEXTS]
         size = len(text) + sum(len(value) for value in raw if value)
         with self.lock:
@@ -354,7 +355,7 @@ class RecordWriter:
                 f"SELECT fields, {', '.join(_RAW)} FROM records WHERE tbl = ? AND id BETWEEN ? AND ? ORDER BY id",
                 (table, first, last),
             ).fetchall()
-        return [{**json.loads(fields), **dict(zip(_RAW, raw, strict=True))} for fields, *raw in found]
+        return [{**codec.loads(fields), **dict(zip(_RAW, raw, strict=True))} for fields, *raw in found]
 
     def _flush_batch(self, number: int, table: str, first: int, last: int) -> None:
         rows = self._read_batch(table, first, last)

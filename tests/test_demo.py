@@ -22,6 +22,7 @@ FORGE = str(Path(sys.executable).parent / "forge")
 
 
 @pytest.mark.integration
+@pytest.mark.timeout(1800)  # the demo's own bound (below); a loaded 2-core machine took over 900 s
 def test_a_short_demo_closes_the_loop(tmp_path: Path) -> None:
     out = tmp_path / "demo"
     done = subprocess.run(

@@ -14,11 +14,11 @@ every module against it). Each module (``openai`` for Chat Completions and Compl
 - ``added.error_event(message)``: the end of a stream in the API's own terms, when it cannot go on.
 """
 
-import json
 import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from sidecar import codec
 from sidecar.sse import rewrite_event
 
 # vLLM writes a logprob it does not have, and -inf, as max(x, -9999.0) (chat's field default is -9999.0 too),
@@ -126,4 +126,4 @@ class DataStream:
 
 
 def compact(obj: Any) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    return codec.dumps_text(obj)

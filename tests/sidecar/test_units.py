@@ -1,6 +1,7 @@
 """The sidecar's pieces without a proxy: SSE framing, prefix references, the WAL writer, stripping, redaction."""
 
 import base64
+import contextlib
 import json
 import marshal
 import random
@@ -398,3 +399,38 @@ def test_after_a_crash_the_count_goes_on_from_the_records_whether_flushed_or_sti
     assert again.next_seq("e") == 3 and again.next_seq("w") == 2
     assert again.next_seq("never-recorded") == 0  # no record carries it: the number may be handed out again
     assert again.close()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+    max_leaves=12,
+))  # fmt: skip
+def test_the_fast_json_codec_writes_and_reads_the_values_the_standard_library_does(value):
+    """msgspec where it can, the standard library where it refuses (NaN, lone surrogates): every value reads back
+    as the standard library reads it (integers of any size exact; a float may be spelled 1e16 for 1e+16)."""
+    import json
+
+    from sidecar import codec
+
+    try:
+        expected = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    except ValueError:
+        return
+    ours = codec.dumps_text(value)
+    # NaN and infinities are not JSON: written as null (the standard library writes NaN, which JSON readers refuse)
+    assert json.loads(ours) == json.loads(expected, parse_constant=lambda _: None)
+    with contextlib.suppress(UnicodeEncodeError):  # a lone surrogate has no UTF-8 form: encode() refuses it
+        assert codec.dumps(value).decode() == ours
+    parsed = codec.loads(expected)
+    assert json.dumps(parsed, ensure_ascii=False, separators=(",", ":")) == expected
+
+
+def test_the_fast_json_codec_takes_what_only_the_standard_library_reads():
+    from sidecar import codec
+
+    assert codec.loads(b'{"a": NaN, "b": -Infinity}')["b"] == float("-inf")
+    assert codec.loads('"\\ud800"') == "\ud800"
+    assert codec.dumps({"n": 1 << 70}) == b'{"n":1180591620717411303424}'
+    assert codec.dumps({1: "x"}) == b'{"1":"x"}'

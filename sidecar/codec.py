@@ -1,0 +1,42 @@
+"""JSON on the sidecar's hot path: msgspec where it can, the standard library where msgspec refuses.
+
+msgspec parses 2-3x and writes ~10x faster than the standard library, with the same result for what JSON holds:
+integers of any size stay exact (orjson would turn one beyond 64 bits into a float), and its output equals
+``json.dumps(value, ensure_ascii=False, separators=(",", ":"))``. What it refuses goes to the standard library
+unchanged: ``NaN``/``Infinity`` literals and lone surrogate escapes when parsing, strings holding lone surrogates
+and non-string keys when writing. So a harness's odd request is handled as before; the common case is faster.
+One difference, on purpose: a non-finite float (not JSON; the standard library writes ``NaN``) is written as
+``null``, which every JSON reader takes. (A property test holds the two libraries to the same values.)
+"""
+
+import json
+from typing import Any
+
+import msgspec
+
+_encoder = msgspec.json.Encoder()
+_decoder = msgspec.json.Decoder()
+
+
+def loads(data: bytes | str) -> Any:
+    try:
+        return _decoder.decode(data)
+    except msgspec.DecodeError:
+        return json.loads(data)
+
+
+def dumps(value: Any) -> bytes:
+    """Compact UTF-8 JSON (no spaces, no ASCII escapes)."""
+    try:
+        return _encoder.encode(value)
+    except (TypeError, UnicodeEncodeError, msgspec.EncodeError):
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def dumps_text(value: Any, default: Any = None) -> str:
+    """Compact JSON as text; unlike ``dumps`` it may hold lone surrogates (a harness's ``\\ud800``)."""
+    try:
+        encoded = (msgspec.json.encode(value, enc_hook=default) if default else _encoder.encode(value)).decode()
+    except (TypeError, UnicodeEncodeError, msgspec.EncodeError):
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":"), default=default)
+    return encoded
