@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from sidecar.apis import CompletionBound
 from sidecar.apis.base import Sampled, Served, compact
-from sidecar.sse import event_data
+from sidecar.sse import DONE, parse_event
 
 if TYPE_CHECKING:  # the addon imports this module; these are only its types
     from mitmproxy import http
@@ -286,18 +286,13 @@ class StreamState:
         return piece
 
     def feed_event(self, raw: bytes) -> list[bytes]:
-        data = event_data(raw)
-        if data is None:
+        parsed = parse_event(raw)
+        if parsed.done:
+            return self._feed(f"data: {DONE}\n\n".encode())
+        chunk = parsed.payload
+        if chunk is None:
             return []
-        if data.strip() == "[DONE]":
-            return self._feed(b"data: [DONE]\n\n")
-        try:
-            chunk = json.loads(data)
-        except ValueError:
-            return []
-        if not isinstance(chunk, dict):
-            return []
-        if "error" in chunk and "choices" not in chunk:
+        if parsed.error is not None:
             return self._feed(raw)
         self.model = self.model or chunk.get("model")
         events: list[bytes] = []
