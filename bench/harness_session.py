@@ -17,14 +17,20 @@ kept; ``python -m bench.tokens_in forks --store STORE`` prints the figures again
 """
 
 import argparse
+import json
+import math
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import httpx
+
 from bench.tokens_in import forks
+from sidecar.apis.responses import normalise_request
 from tests.sidecar.conftest import SidecarFactory, installed_harness, read_calls, wait_for
 
 PROMPTS = [
@@ -48,7 +54,9 @@ def _codex(home: Path, work: Path, env: dict[str, str], codex: str, prompt: str,
     return run.returncode
 
 
-def codex_session(upstream: str, store: str, turns: int, tmp: Path) -> None:
+def codex_session(upstream: str, store: str, turns: int, tmp: Path) -> list[dict]:
+    """Record one Codex conversation of at least ``turns`` calls (or as many as ``2 * turns`` invocations gave);
+    its call records, in order."""
     from tests.sidecar.test_harness_codex import codex_home, output_bound
 
     codex = installed_harness("codex")
@@ -80,6 +88,33 @@ def codex_session(upstream: str, store: str, turns: int, tmp: Path) -> None:
     for c in calls:
         print(f"{c['seq']:>3}  {c['status']:<8} {c['prompt_len'] or 0:>6} {len(c['completion_token_ids'] or []):>4}  "
               f"{c['continuation']!s:<12} {(c['note'] or '')[:110]}")  # fmt: skip
+    return calls
+
+
+def served_tokens_in(calls: list[dict], upstream: str) -> list[tuple[dict, bool, float | None]]:
+    """Each call served tokens-in: (call, its prompt ids are its parent's prompt + completion + vLLM's rendering of
+    what was added, the median |teacher-forced - recorded| logprob of its completion ids in nats)."""
+    by_id = {c["call_id"]: c for c in calls}
+    out = []
+    with httpx.Client(base_url=upstream, timeout=600) as client:
+        model = client.get("/v1/models").json()["data"][0]["id"]
+        for call in (c for c in calls if c["continuation"] == "tokens_in"):
+            parent = by_id[call["parent_call_id"]]
+            whole, prompt = parent["prompt_token_ids"] + parent["completion_token_ids"], call["prompt_token_ids"]
+            request = json.loads(call["request_json"])
+            normalise_request(request)
+            rendered = client.post("/v1/responses/render", json={**request, "model": model, "stream": False})
+            added = len(prompt) - len(whole)
+            exact = (call["prefix_len"] == len(whole) and prompt[: len(whole)] == whole and added > 0
+                     and prompt[len(whole) :] == rendered.json()["token_ids"][-added:])  # fmt: skip
+            ids = call["completion_token_ids"]
+            forced = client.post("/v1/completions", json={"model": model, "prompt": prompt + ids, "max_tokens": 1,
+                                                          "prompt_logprobs": 0, "temperature": 0})  # fmt: skip
+            positions = forced.json()["choices"][0]["prompt_logprobs"][len(prompt) :]
+            recorded = zip(ids, call["completion_logprobs"], positions, strict=True)
+            gaps = [abs(p[str(t)]["logprob"] - r) for t, r, p in recorded if not math.isnan(r)]
+            out.append((call, exact, statistics.median(gaps) if gaps else None))
+    return out
 
 
 def main() -> None:
@@ -93,7 +128,11 @@ def main() -> None:
     if Path(store).exists() and any(Path(store).iterdir()):
         parser.error(f"--store {store} is not empty: give a new folder (the figures are over the whole store)")
     with tempfile.TemporaryDirectory(prefix="forge-session-") as tmp:
-        codex_session(args.upstream, store, args.turns, Path(tmp))
+        calls = codex_session(args.upstream, store, args.turns, Path(tmp))
+    for call, exact, gap in served_tokens_in(calls, args.upstream):
+        shown = f"{gap:.2e}" if gap is not None else "none (no logprobs given)"
+        print(f"call {call['seq']} served tokens-in: prompt = parent's prompt + completion + rendered suffix: "
+              f"{'yes' if exact else 'NO'}; teacher-forced median |delta logprob| {shown} nat")  # fmt: skip
     forks(store, args.upstream)
 
 
