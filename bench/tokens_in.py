@@ -10,7 +10,8 @@ second. Printed: the median of the paired differences (ms), and both medians.
 
 ``forks``: a recorded session (a store) assembled as recorded (after) and with every tokens-in call's prompt
 replaced by vLLM's own rendering of its request, the ids the normal path would have had (before): segments, fork
-rate and trainable-token share of each.
+rate, forks by cause (as ``forge report`` names them) and trainable-token share of each. Chat, Anthropic Messages
+and OpenAI Responses calls (a Responses request normalised as the sidecar sends it).
 """
 
 import argparse
@@ -19,10 +20,12 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pyarrow as pa
 
+from sidecar.apis.responses import normalise_request
 from tests.sidecar.conftest import SidecarFactory, read_calls
 
 NEWLINE = 198
@@ -67,7 +70,7 @@ def latency(upstream: str, pairs: int) -> None:
             factory.stop_all()
 
 
-def _assembled(calls: list[dict], prompts: dict[str, list[int]]) -> dict[str, float]:
+def _assembled(calls: list[dict], prompts: dict[str, list[int]]) -> dict[str, Any]:
     from collector.assemble import CALL_COLUMNS, assemble
 
     rows = []
@@ -85,8 +88,27 @@ def _assembled(calls: list[dict], prompts: dict[str, list[int]]) -> dict[str, fl
     return {
         "calls": len(calls), "segments": segments.num_rows,
         "fork_rate": forked / max(merged + forked, 1),
+        "causes": _causes(segments.to_pylist(), {c["call_id"]: c["continuation"] for c in calls}),
         "trainable_share": sum(x["n_trainable"] for x in e) / max(sum(x["n_tokens"] for x in e), 1),
     }  # fmt: skip
+
+
+def _causes(segments: list[dict], continuation: dict[str, str | None]) -> dict[str, int]:
+    """Forks by cause, as collector/report.py's FORK_CAUSES_SQL names them (by each later segment's first call)."""
+    from collector.report import CAUSES
+
+    counts = dict.fromkeys(CAUSES, 0)
+    for s in segments:
+        if s["segment"] == 0:
+            continue
+        if s["fork_reason"] == "retry":
+            cause = "retry"
+        elif continuation.get(s["call_ids"][0]) in ("retokenized", "tokens_in"):
+            cause = "retokenization"
+        else:
+            cause = "unrelated" if s["fork_reason"] == "unrelated" else "rewrite"
+        counts[cause] += 1
+    return counts
 
 
 def forks(store: str, upstream: str) -> None:
@@ -101,14 +123,18 @@ def forks(store: str, upstream: str) -> None:
             request.update(model=model, stream=False)
             if call["api"] == "messages":
                 path = "/v1/messages/render"
+            elif call["api"] == "responses":
+                path = "/v1/responses/render"
+                normalise_request(request)
             else:
                 path, request["stream_options"] = "/v1/chat/completions/render", None
             canonical[call["call_id"]] = client.post(path, json=request).json()["token_ids"]
     before, after = _assembled(calls, canonical), _assembled(calls, {})
     print(f"session: {len(calls)} calls, {len(canonical)} served tokens-in")
     for name, figures in (("before (normal path)", before), ("after (tokens-in)", after)):
-        print(f"{name:>22}: segments {figures['segments']}, fork rate {figures['fork_rate']:.2f}, "
-              f"trainable-token share {figures['trainable_share']:.4f}")  # fmt: skip
+        causes = ", ".join(f"{cause} {n}" for cause, n in figures["causes"].items())
+        print(f"{name:>22}: segments {figures['segments']}, fork rate {figures['fork_rate']:.2f} "
+              f"(forks by cause: {causes}), trainable-token share {figures['trainable_share']:.4f}")  # fmt: skip
 
 
 def main() -> None:

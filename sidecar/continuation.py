@@ -17,7 +17,16 @@ forks. Here, before a call goes upstream:
 
 The answer is turned back into the chat answer vLLM would have given (hermes tool calls parsed as vLLM's parser
 does) and handed to the wire API's own module (Chat Completions, or Anthropic Messages translated from it), so
-the harness gets its own format. Nothing is ever re-tokenized for training: the prompt ids are sampled ids plus
+the harness gets its own format.
+
+OpenAI Responses (Codex) is rendered by ``/v1/responses/render`` (vLLM turns ``instructions``, ``input`` items and
+tools into chat messages and renders them with the same template) and served by vLLM's own ``/v1/responses`` with
+the prompt ids given: its decode-side token reuse (``kv_transfer_params.prompt_token_ids``, vLLM 0.32
+``renderers/online_renderer.py``) skips templating and tokenizing and runs everything else as on the normal path
+(tool parsing into ``function_call`` / ``custom_tool_call`` items, the streamed events, usage). The answer is the
+normal path's by construction and the Responses module takes it back as always. vLLM ignores the ids for a prompt
+with non-text content (it renders it): the answer's own prompt ids are compared with the ids sent, and such a call
+is recorded as served normally. Nothing is ever re-tokenized for training: the prompt ids are sampled ids plus
 the template's rendering of what the harness added; the completion ids are the ones vLLM sampled.
 
 Fail-open: any failure before the call goes out leaves it on the normal path; a tokens-in answer that is an
@@ -38,9 +47,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from sidecar.apis import CompletionBound
+from sidecar.apis import CompletionBound, responses
 from sidecar.apis.base import Sampled, Served, compact
-from sidecar.sse import event_data
+from sidecar.apis.base import StreamState as BaseStreamState
+from sidecar.sse import DONE, parse_event
 
 if TYPE_CHECKING:  # the addon imports this module; these are only its types
     from mitmproxy import http
@@ -49,7 +59,10 @@ if TYPE_CHECKING:  # the addon imports this module; these are only its types
 
 log = logging.getLogger("openforge.sidecar")
 MODES = ("auto", "observe", "off")
+APIS = ("chat", "messages", "responses")  # the wire APIs served tokens-in
 RENDER_PATH = "/v1/chat/completions/render"
+RESPONSES_RENDER_PATH = "/v1/responses/render"
+REUSED_IDS = "prompt_token_ids"  # vLLM's decode-side token reuse: kv_transfer_params[REUSED_IDS] is the prompt
 COMPLETIONS_PATH = "/v1/completions"
 HTTP_TIMEOUT_S = 10.0
 MAX_CANDIDATES = 2  # earlier calls whose text is compared (each costs two /detokenize calls)
@@ -231,6 +244,81 @@ def finish(added: Additions, answer: dict[str, Any]) -> tuple[Sampled, dict[str,
     return sampled, out
 
 
+@dataclass
+class ReusedIds:
+    """A Responses call served tokens-in (a ``Served``): vLLM's own /v1/responses given the prompt ids, so the
+    Responses module's additions take the answer back unchanged. vLLM falls back to rendering the prompt itself
+    (non-text content); where the answer's prompt ids are not the ones sent, the decision says it was served
+    normally (the record then holds what vLLM rendered, as on the normal path)."""
+
+    inner: Served
+    prompt_ids: list[int]
+    decision: "Decision"
+
+    @property
+    def api(self) -> str:
+        return self.inner.api
+
+    @property
+    def stream(self) -> bool:
+        return self.inner.stream
+
+    @property
+    def upstream_path(self) -> str | None:
+        return self.inner.upstream_path
+
+    def check(self, sampled: Sampled) -> Sampled:
+        if (
+            sampled.prompt_ids is not None
+            and sampled.prompt_ids != self.prompt_ids
+            and self.decision.state == "tokens_in"
+        ):
+            self.decision.state = "retokenized"
+            self.decision.note = "tokens-in: vLLM rendered the prompt instead of taking the ids given; served normally"
+        return sampled
+
+    def finish(self, answer: dict[str, Any]) -> tuple[Sampled, dict[str, Any]]:
+        sampled, out = self.inner.finish(answer)
+        return self.check(sampled), out
+
+    def stream_state(self) -> "ReusedIdsStream":
+        return ReusedIdsStream(self, self.inner.stream_state())
+
+    def error_event(self, message: str) -> bytes:
+        return self.inner.error_event(message)
+
+
+class ReusedIdsStream:
+    """The Responses module's stream state, its ids checked as ``ReusedIds.check`` does."""
+
+    def __init__(self, added: ReusedIds, inner: BaseStreamState) -> None:
+        self.added = added
+        self.inner = inner
+
+    @property
+    def done(self) -> bool:
+        return self.inner.done
+
+    @property
+    def sampled(self) -> Sampled:
+        return self.added.check(self.inner.sampled)
+
+    @property
+    def events(self) -> int:
+        return self.inner.events
+
+    def feed_event(self, raw: bytes) -> list[bytes]:
+        return self.inner.feed_event(raw)
+
+    def summary(self) -> dict[str, Any]:
+        return {**self.inner.summary(), "served": "tokens-in"}
+
+
+def reused_ids_request(body: dict[str, Any], prompt: list[int]) -> dict[str, Any]:
+    """The /v1/responses request serving a call tokens-in: the call as prepared, with its prompt ids given."""
+    return {**body, "kv_transfer_params": {REUSED_IDS: prompt}}
+
+
 class StreamState:
     """/v1/completions chunks in; vLLM-style chat chunks made from them go through the inner module's stream state
     (which gathers the ids and writes what the harness gets). Text is sent on live; with tools, from a possible
@@ -286,18 +374,13 @@ class StreamState:
         return piece
 
     def feed_event(self, raw: bytes) -> list[bytes]:
-        data = event_data(raw)
-        if data is None:
+        parsed = parse_event(raw)
+        if parsed.done:
+            return self._feed(f"data: {DONE}\n\n".encode())
+        chunk = parsed.payload
+        if chunk is None:
             return []
-        if data.strip() == "[DONE]":
-            return self._feed(b"data: [DONE]\n\n")
-        try:
-            chunk = json.loads(data)
-        except ValueError:
-            return []
-        if not isinstance(chunk, dict):
-            return []
-        if "error" in chunk and "choices" not in chunk:
+        if parsed.error is not None:
             return self._feed(raw)
         self.model = self.model or chunk.get("model")
         events: list[bytes] = []
@@ -374,6 +457,21 @@ def _post(url: str, payload: dict[str, Any], timeout: float = HTTP_TIMEOUT_S) ->
         return json.load(answer)
 
 
+# Responses input items that carry what the model produced (a message of the assistant, a tool call, reasoning).
+_ANSWER_ITEMS = frozenset({"function_call", "custom_tool_call", "reasoning", "local_shell_call", "mcp_call"})
+
+
+def answers_in_history(api: str, body: dict[str, Any]) -> bool:
+    """Whether the request sends an earlier answer back (the only text whose ids can have been sampled)."""
+    if api == "responses":
+        items = body.get("input")
+        return isinstance(items, list) and any(
+            isinstance(i, dict) and (i.get("role") == "assistant" or i.get("type") in _ANSWER_ITEMS) for i in items
+        )
+    messages = body.get("messages")
+    return isinstance(messages, list) and any(isinstance(m, dict) and m.get("role") == "assistant" for m in messages)
+
+
 class Continuations:
     """The sidecar's tokens-in continuation: ``examine`` before a call goes upstream, ``fall_back`` if it failed."""
 
@@ -407,9 +505,14 @@ class Continuations:
 
     def eligible(self, api: str, body: dict[str, Any], added: Any) -> bool:
         """Chat and Messages calls (served through chat) with one choice, no ids or logprobs asked by the harness,
-        and tool choice auto or none (required/named ones are structured outputs: the normal path only)."""
-        if self.mode == "off" or api not in ("chat", "messages") or added is None:
+        and tool choice auto or none (required/named ones are structured outputs: the normal path only).
+        Responses calls whose whole history is in the request (no ``previous_response_id``: vLLM would add stored
+        turns the render does not see) and whose harness asked for no message ids or reuse of its own."""
+        if self.mode == "off" or api not in APIS or added is None:
             return False
+        if api == "responses":
+            return (isinstance(added, responses.Additions) and not added.harness_messages
+                    and not body.get("previous_response_id") and body.get("kv_transfer_params") is None)  # fmt: skip
         chat = added.chat if api == "messages" else added
         if chat.harness_ids or chat.harness_logprobs or body.get("n", 1) != 1 or body.get("prompt_logprobs"):
             return False
@@ -423,12 +526,12 @@ class Continuations:
         decision and, when it is to be served tokens-in, the /v1/completions request."""
         if not episode_sequences or not self.eligible(api, body, added):
             return None
-        messages = body.get("messages")
-        if not any(isinstance(m, dict) and m.get("role") == "assistant" for m in messages or ()):
+        if not answers_in_history(api, body):
             return None  # no answer sent back as history: nothing sampled to re-tokenize (no render asked)
         started = time.perf_counter()
         model = str(body.get("model"))
-        rendered = await self._call(RENDER_PATH, {**body, "stream": False, "stream_options": None})
+        render_path = RESPONSES_RENDER_PATH if api == "responses" else RENDER_PATH
+        rendered = await self._call(render_path, {**body, "stream": False, "stream_options": None})
         rendered_ids: list[int] = rendered["token_ids"]
         timings = {"render_ms": (time.perf_counter() - started) * 1e3}
         # The earlier calls nearest to this prompt first: a prompt that extends one of them in ids needs nothing;
@@ -460,10 +563,15 @@ class Continuations:
             return Decision("rewrite", note=differs, timings_ms=timings), None
         earlier, split = found
         prompt = earlier + rendered_ids[split.end :]
-        chat = added.chat if api == "messages" else added
-        asked_max = any(isinstance(body.get(k), int) for k in ("max_tokens", "max_completion_tokens"))
-        served_max = bound.served(len(prompt)) if bound is not None else None  # what the record says it was served
-        request = completions_request(model, prompt, rendered, len(rendered_ids), asked_max, chat.stream, served_max)
+        request: dict[str, Any] | None
+        if api == "responses":  # vLLM bounds the completion by the room this prompt leaves, as on the normal path
+            request = reused_ids_request(body, prompt)
+        else:
+            chat = added.chat if api == "messages" else added
+            asked_max = any(isinstance(body.get(k), int) for k in ("max_tokens", "max_completion_tokens"))
+            served_max = bound.served(len(prompt)) if bound is not None else None  # what the record says was served
+            request = completions_request(model, prompt, rendered, len(rendered_ids), asked_max, chat.stream,
+                                          served_max)  # fmt: skip
         note = (f"served tokens-in: {len(earlier)} ids of an earlier call (re-tokenized from id {split.diverge}) + "
                 f"{len(rendered_ids) - split.end} rendered")  # fmt: skip
         decision = Decision("retokenized", note=note, original_path=path, original_body=b"", timings_ms=timings)
@@ -479,7 +587,7 @@ class Continuations:
     async def prepare(self, flow: "http.HTTPFlow", call: "Call", episode_sequences: list[tuple[str, bytes]]) -> None:
         """The addon's hook (``request``, after the wire API prepared the request and its completion bound was
         set): examine the call; serve it tokens-in when it applies. Fail-open."""
-        if self.mode == "off" or call.added is None or not episode_sequences or call.api not in ("chat", "messages"):
+        if self.mode == "off" or call.added is None or not episode_sequences or call.api not in APIS:
             return
         try:
             body = json.loads(flow.request.content or b"")
@@ -495,6 +603,11 @@ class Continuations:
             return
         decision.original_body = flow.request.content or b""
         decision.inner_added = call.added
+        if call.api == "responses":
+            call.added = ReusedIds(inner=call.added, prompt_ids=request["kv_transfer_params"][REUSED_IDS],
+                                   decision=decision)  # fmt: skip
+            flow.request.content = compact(request).encode()
+            return
         call.added = Additions(
             inner=call.added, stream=bool(request.get("stream")),
             tools=bool(body.get("tools")) and body.get("tool_choice") in (None, "auto"),

@@ -20,7 +20,7 @@ from typing import Any
 
 from sidecar.apis import openai
 from sidecar.apis.base import Sampled, compact
-from sidecar.sse import event_data
+from sidecar.sse import parse_event
 
 PATHS = ("/v1/messages", "/messages")
 COUNT_TOKENS_PATHS = ("/v1/messages/count_tokens", "/messages/count_tokens")
@@ -290,25 +290,21 @@ class StreamState:
         return self.chat.events
 
     def feed_event(self, raw: bytes) -> list[bytes]:
-        data = event_data(raw)
-        if not data:
+        parsed = parse_event(raw)
+        if not parsed.data:
             return []
         try:
-            self.chat.on_event(data)  # gathers ids, logprobs, usage, text, tool calls
+            self.chat.on_chunk(parsed)  # gathers ids, logprobs, usage, text, tool calls
         except Exception as error:  # recording broke: the harness still gets its translated stream
             self.gather_error = self.gather_error or f"{type(error).__name__}: {error}"
-        if data.strip() == "[DONE]":
+        if parsed.done:
             self.done = True
             return self._close()
-        try:
-            chunk = json.loads(data)
-        except ValueError:
+        chunk = parsed.payload
+        if chunk is None:
             return []
-        if not isinstance(chunk, dict):
-            return []
-        if "error" in chunk and "choices" not in chunk:
-            failure = chunk["error"] if isinstance(chunk["error"], dict) else {"message": str(chunk["error"])}
-            return [error_event(str(failure.get("message")))]
+        if parsed.error is not None:
+            return [error_event(parsed.error)]
         out: list[bytes] = []
         if not self.started:
             self.started = True

@@ -5,11 +5,11 @@ the answer the harness gets loses exactly what those added (the ids, the logprob
 harness asked for them itself. Everything else is the upstream's, byte for byte where nothing was removed.
 """
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
 from sidecar.apis.base import DataStream, Sampled, clear, compact, logprob
+from sidecar.sse import Chunk, parse_data
 
 CHAT_PATHS = ("/v1/chat/completions", "/chat/completions")
 COMPLETIONS_PATHS = ("/v1/completions", "/completions")
@@ -124,21 +124,20 @@ class StreamState(DataStream):
 
     def on_event(self, data: str) -> str | None:
         """One SSE ``data:`` payload in; the payload to send on (None: drop the event)."""
+        return self.on_chunk(parse_data(data))
+
+    def on_chunk(self, parsed: Chunk) -> str | None:
+        """``on_event`` for a payload already read (``sse.parse_data``)."""
         self.events += 1
-        if data.strip() == "[DONE]":
+        data, chunk = parsed.data or "", parsed.payload
+        if parsed.done:
             self.done = True
             return data
-        try:
-            chunk = json.loads(data)
-        except ValueError:
+        if chunk is None:
             return data  # not ours to judge: pass it on as it came
-        if not isinstance(chunk, dict):
-            return data
         self._gather(chunk)
-        if "error" in chunk and "choices" not in chunk:  # vLLM ends a failed stream with an error event
-            failure = chunk["error"]
-            message = failure.get("message") if isinstance(failure, dict) else failure
-            self.sampled.upstream_error = f"the stream ended with an error event: {message}"
+        if parsed.error is not None:  # vLLM ends a failed stream with an error event
+            self.sampled.upstream_error = f"the stream ended with an error event: {parsed.error}"
             return data
         if not self.added.harness_usage and not chunk.get("choices") and chunk.get("usage") is not None:
             return None  # the usage chunk exists only because we asked for it

@@ -35,12 +35,12 @@ item (a developer-role item holding namespaces of tools) beside an empty ``tools
   policy is then not held to the grammar, and the harness checks the input as it does any model's.
 """
 
-import json
 import math
 from dataclasses import dataclass
 from typing import Any
 
 from sidecar.apis.base import DataStream, Sampled, clear, compact, logprob
+from sidecar.sse import parse_data
 
 PATHS = ("/v1/responses", "/responses")
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -286,11 +286,8 @@ class StreamState(DataStream):
 
     def on_event(self, data: str) -> str | None:
         self.events += 1
-        try:
-            event = json.loads(data)
-        except ValueError:
-            return data
-        if not isinstance(event, dict):
+        event = parse_data(data).payload
+        if event is None:
             return data
         kind = event.get("type") or ""
         changed = False

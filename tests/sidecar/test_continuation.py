@@ -371,3 +371,15 @@ def test_a_call_served_tokens_in_keeps_the_completion_bound(start_sidecar, polic
     assert call["parent_call_id"] == first_call["call_id"]
     assert (call["max_tokens_requested"], call["max_tokens_served"]) == (128_000, 7)
     assert 0 < len(call["completion_token_ids"]) <= 7
+
+
+def test_only_a_request_that_sends_an_answer_back_is_rendered_for_tokens_in():
+    user = {"role": "user", "content": "x"}
+    assert not continuation.answers_in_history("chat", {"messages": [user]})
+    assert continuation.answers_in_history("chat", {"messages": [user, {"role": "assistant", "content": "y"}, user]})
+    assert not continuation.answers_in_history("responses", {"input": "x"})
+    assert not continuation.answers_in_history("responses", {"input": [{"type": "message", **user}]})
+    call = {"type": "function_call", "call_id": "c1", "name": "shell", "arguments": "{}"}
+    assert continuation.answers_in_history("responses", {"input": [user, call]})
+    said = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "y"}]}
+    assert continuation.answers_in_history("responses", {"input": [user, said]})

@@ -11,6 +11,7 @@ import subprocess
 
 import pytest
 
+from sidecar.apis.responses import normalise_request
 from tests.sidecar.conftest import (
     assert_sampled_by_vllm,
     call_table,
@@ -62,5 +63,35 @@ def test_claude_code_session_does_not_fork_on_retokenization(start_sidecar, poli
         assert added > 0 and call["prompt_token_ids"][len(whole) :] == rendered_ids[-added:]
         assert_sampled_by_vllm(vllm, policy_server, call)
     _, causes = _episode(sidecar.store, "claude-session")
+    print(json.dumps(causes, default=str))
+    assert not [c for c in causes if c["cause"] == "retokenization"], causes
+
+
+def test_codex_session_does_not_fork_on_retokenization(policy_server, vllm, tmp_path):
+    """Codex (its defaults, sampling at its own temperature) driven over several invocations of one conversation
+    (``codex exec``, then ``codex exec resume --last``: bench/harness_session.py) to at least 6 calls."""
+    from bench.harness_session import codex_session
+
+    store, session = str(tmp_path / "store"), tmp_path / "session"
+    session.mkdir()
+    calls = codex_session(policy_server.base_url, store, 6, session)
+    assert all(c["status"] == "ok" and c["harness"] == "codex" for c in calls), call_table(calls)
+    assert len(calls) >= 6, call_table(calls)
+    by_id = {c["call_id"]: c for c in calls}
+    served = [c for c in calls if c["continuation"] == "tokens_in"]
+    assert served, "no call was served tokens-in: " + json.dumps([c["continuation"] for c in calls])
+    for call in served:
+        parent = by_id[call["parent_call_id"]]
+        whole = parent["prompt_token_ids"] + parent["completion_token_ids"]
+        request = json.loads(call["request_json"])
+        normalise_request(request)
+        rendered = vllm.post("/v1/responses/render", json={**request, "model": policy_server.name, "stream": False})
+        rendered_ids = rendered.json()["token_ids"]
+        added = len(call["prompt_token_ids"]) - len(whole)
+        assert call["prefix_len"] == len(whole) and call["prompt_token_ids"][: len(whole)] == whole
+        assert added > 0 and call["prompt_token_ids"][len(whole) :] == rendered_ids[-added:]
+        assert rendered_ids != call["prompt_token_ids"]  # the normal path would have re-tokenized the history
+        assert_sampled_by_vllm(vllm, policy_server, call)
+    _, causes = _episode(store, calls[0]["episode_id"])
     print(json.dumps(causes, default=str))
     assert not [c for c in causes if c["cause"] == "retokenization"], causes

@@ -127,7 +127,15 @@ def test_codex_runs_a_task_through_the_sidecar_and_every_call_is_exact(
             **request, "model": policy_server.name, "stream": False, "max_output_tokens": 1,
             "enable_response_messages": True,
         }).json()  # fmt: skip
-        assert call["prompt_token_ids"] == [t for m in rendered["input_messages"] for t in m["tokens"]]
+        rendered_ids = [t for m in rendered["input_messages"] for t in m["tokens"]]
+        if call["continuation"] == "tokens_in":  # the earlier call's exact ids + the rendering of what was added
+            parent = next(c for c in calls if c["call_id"] == call["parent_call_id"])
+            whole = parent["prompt_token_ids"] + parent["completion_token_ids"]
+            added = len(call["prompt_token_ids"]) - len(whole)
+            assert call["prompt_token_ids"][: len(whole)] == whole and added > 0
+            assert call["prompt_token_ids"][len(whole) :] == rendered_ids[-added:]
+        else:
+            assert call["prompt_token_ids"] == rendered_ids
         ids = call["completion_token_ids"]
         assert 0 < len(ids) <= OUTPUT_BOUND and len(call["completion_logprobs"]) == len(ids)
         received = json.loads(call["response_json"])

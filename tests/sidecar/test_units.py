@@ -23,7 +23,7 @@ from sidecar.metrics import Metrics
 from sidecar.prefix import PrefixIndex, common_prefix_len
 from sidecar.record import CALL_SCHEMA, CallRecord, checked_row, to_table
 from sidecar.redact import REDACTED, redacted_json, secrets_in_headers
-from sidecar.sse import EventFramer, rewrite_event
+from sidecar.sse import EventFramer, parse_data, parse_event, rewrite_event
 from sidecar.store import StoreError, open_store
 from sidecar.writer import WAL_FILE, RecordWriter, pack_floats, pack_ids, pending_records, rows_to_table
 
@@ -43,6 +43,19 @@ def test_an_unchanged_event_goes_on_byte_for_byte_and_others_keep_their_fields()
     assert rewrite_event(raw, lambda d: '{"a":2}') == b'event: x\ndata: {"a":2}\r\n\r\n'
     assert rewrite_event(raw, lambda d: None) is None
     assert rewrite_event(b": keep-alive\n\n", lambda d: None) == b": keep-alive\n\n"
+
+
+def test_every_api_reads_a_chunk_the_same_way():
+    """One parser for the sentinel, JSON objects, vLLM's error chunk, and what is none of these."""
+    assert parse_event(b"data: [DONE]\n\n").done and parse_data(" [DONE] ").done
+    chunk = parse_event(b'event: x\ndata: {"choices":[],"a":1}\n\n')
+    assert chunk.payload == {"choices": [], "a": 1} and chunk.error is None and not chunk.done
+    assert parse_data('{"error":{"message":"engine died"}}').error == "engine died"
+    assert parse_data('{"error":"plain"}').error == "plain"
+    assert parse_data('{"error":{"message":"x"},"choices":[]}').error is None  # a chunk with choices goes on
+    for data in ("[1, 2]", "not json", '"text"'):
+        assert parse_data(data).payload is None and parse_data(data).data == data
+    assert parse_event(b": keep-alive\n\n").data is None
 
 
 def test_common_prefix_len_matches_a_plain_loop():

@@ -1,0 +1,140 @@
+"""A real harness's multi-turn session recorded through the sidecar (``--tokens-in auto``), then its fork figures.
+
+    python -m bench.harness_session codex --turns 6 --store STORE [--upstream http://127.0.0.1:18000]
+
+One conversation driven over several invocations of the real, unmodified Codex CLI (pinned by
+scripts/harness.sh): ``codex exec PROMPT``, then ``codex exec resume --last NEXT`` until the sidecar has recorded at
+least ``--turns`` calls (a 135M policy ends its turns early, so one invocation makes one or two calls). Codex runs
+as in tests/sidecar/test_harness_codex.py: its own defaults (no model in its config), HOME in a temporary folder,
+talking only to the sidecar on loopback, through the test-only output bound (tests/sidecar/harness_output_bound.py:
+``max_output_tokens`` on each request, as a harness with that setting would send). Every call is one episode (the
+sidecar's ``--episode-id``). It samples at its own temperature.
+
+Printed: one line per call (how tokens-in continuation judged it), then ``bench.tokens_in forks`` over the store:
+segments, fork rate, forks by cause and trainable-token share, as recorded (after) and with every tokens-in call's
+prompt replaced by vLLM's own rendering of its request (before: what the normal path would have had). The store is
+kept; ``python -m bench.tokens_in forks --store STORE`` prints the figures again.
+"""
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from bench.tokens_in import forks
+from sidecar.apis.responses import normalise_request
+from tests.sidecar.conftest import SidecarFactory, installed_harness, read_calls, wait_for
+
+PROMPTS = [
+    "What does notes.txt say? Use the shell.",
+    "Thanks. Say that again in one short sentence.",
+    "Now say it in French.",
+    "How many words was your last answer?",
+    "Write one more sentence about the number 42.",
+    "Say goodbye in one word.",
+]
+HARNESS_TIMEOUT_S = 600
+
+
+def _codex(home: Path, work: Path, env: dict[str, str], codex: str, prompt: str, first: bool) -> int:
+    command = [codex, "exec", "--skip-git-repo-check"]
+    command += ["-s", "read-only", prompt] if first else ["resume", "--last", "--skip-git-repo-check", prompt]
+    run = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True, timeout=HARNESS_TIMEOUT_S,
+                         stdin=subprocess.DEVNULL)  # fmt: skip
+    if run.returncode != 0:
+        print(f"codex exited {run.returncode}: {run.stderr.strip()[-400:]}", file=sys.stderr)
+    return run.returncode
+
+
+def codex_session(upstream: str, store: str, turns: int, tmp: Path) -> list[dict]:
+    """Record one Codex conversation of at least ``turns`` calls (or as many as ``2 * turns`` invocations gave);
+    its call records, in order."""
+    from tests.sidecar.test_harness_codex import codex_home, output_bound
+
+    codex = installed_harness("codex")
+    factory = SidecarFactory(tmp)
+    episode = f"codex-session-{int(time.time())}"
+    try:
+        sidecar = factory(upstream, store=store, episode_id=episode, extra=("--tokens-in", "auto"))
+        with output_bound(sidecar.url, tmp) as bounded_url:
+            home, work = codex_home(tmp, bounded_url), tmp / "work"
+            work.mkdir()
+            (work / "notes.txt").write_text("The answer is 42.\n")
+            env = {"PATH": os.environ["PATH"], "HOME": str(tmp), "CODEX_HOME": str(home), "NO_COLOR": "1",
+                   "OPENAI_API_KEY": "sk-codex-session-not-a-real-key", "TMPDIR": str(tmp)}  # fmt: skip
+            invocations = 0
+            while len(read_calls(store, f"episode_id = '{episode}'")) < turns and invocations < 2 * turns:
+                prompt = PROMPTS[min(invocations, len(PROMPTS) - 1)]
+                started = time.monotonic()
+                code = _codex(home, work, env, codex, prompt, first=invocations == 0)
+                invocations += 1
+                time.sleep(1.0)  # the sidecar flushes every 0.3 s
+                n = len(read_calls(store, f"episode_id = '{episode}'"))
+                print(f"invocation {invocations} (exit {code}, {time.monotonic() - started:.0f} s): {n} calls so far")
+        sidecar.stop()
+    finally:
+        factory.stop_all()
+    calls = wait_for(lambda: read_calls(store, f"episode_id = '{episode}'"), what="the session's records")
+    print(f"episode {episode}: {len(calls)} calls, {invocations} invocations")
+    print(f"{'seq':>3}  {'status':<8} {'prompt':>6} {'ids':>4}  {'continuation':<12} note")
+    for c in calls:
+        print(f"{c['seq']:>3}  {c['status']:<8} {c['prompt_len'] or 0:>6} {len(c['completion_token_ids'] or []):>4}  "
+              f"{c['continuation']!s:<12} {(c['note'] or '')[:110]}")  # fmt: skip
+    return calls
+
+
+def served_tokens_in(calls: list[dict], upstream: str) -> list[tuple[dict, bool, float | None]]:
+    """Each call served tokens-in: (call, its prompt ids are its parent's prompt + completion + vLLM's rendering of
+    what was added, the median |teacher-forced - recorded| logprob of its completion ids in nats)."""
+    by_id = {c["call_id"]: c for c in calls}
+    out = []
+    with httpx.Client(base_url=upstream, timeout=600) as client:
+        model = client.get("/v1/models").json()["data"][0]["id"]
+        for call in (c for c in calls if c["continuation"] == "tokens_in"):
+            parent = by_id[call["parent_call_id"]]
+            whole, prompt = parent["prompt_token_ids"] + parent["completion_token_ids"], call["prompt_token_ids"]
+            request = json.loads(call["request_json"])
+            normalise_request(request)
+            rendered = client.post("/v1/responses/render", json={**request, "model": model, "stream": False})
+            added = len(prompt) - len(whole)
+            exact = (call["prefix_len"] == len(whole) and prompt[: len(whole)] == whole and added > 0
+                     and prompt[len(whole) :] == rendered.json()["token_ids"][-added:])  # fmt: skip
+            ids = call["completion_token_ids"]
+            forced = client.post("/v1/completions", json={"model": model, "prompt": prompt + ids, "max_tokens": 1,
+                                                          "prompt_logprobs": 0, "temperature": 0})  # fmt: skip
+            positions = forced.json()["choices"][0]["prompt_logprobs"][len(prompt) :]
+            recorded = zip(ids, call["completion_logprobs"], positions, strict=True)
+            gaps = [abs(p[str(t)]["logprob"] - r) for t, r, p in recorded if not math.isnan(r)]
+            out.append((call, exact, statistics.median(gaps) if gaps else None))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("harness", choices=["codex"])
+    parser.add_argument("--turns", type=int, default=6, help="record at least this many calls")
+    parser.add_argument("--store", required=True, help="a new folder: the session's records are kept there")
+    parser.add_argument("--upstream", default="http://127.0.0.1:18000")
+    args = parser.parse_args()
+    store = str(Path(args.store).resolve())
+    if Path(store).exists() and any(Path(store).iterdir()):
+        parser.error(f"--store {store} is not empty: give a new folder (the figures are over the whole store)")
+    with tempfile.TemporaryDirectory(prefix="forge-session-") as tmp:
+        calls = codex_session(args.upstream, store, args.turns, Path(tmp))
+    for call, exact, gap in served_tokens_in(calls, args.upstream):
+        shown = f"{gap:.2e}" if gap is not None else "none (no logprobs given)"
+        print(f"call {call['seq']} served tokens-in: prompt = parent's prompt + completion + rendered suffix: "
+              f"{'yes' if exact else 'NO'}; teacher-forced median |delta logprob| {shown} nat")  # fmt: skip
+    forks(store, args.upstream)
+
+
+if __name__ == "__main__":
+    main()
