@@ -156,6 +156,7 @@ class Forge:
         add("forge_upstream", str, "http://127.0.0.1:8000", "The policy servers (vLLM replicas): "
             "comma-separated http(s)://HOST:PORT, or dns+http(s)://NAME:PORT for every address of NAME.")  # fmt: skip
         add("forge_upstream_refresh_seconds", str, "10", "How often dns+ upstreams are resolved again.")
+        add("forge_health_seconds", str, "2", "How often each replica's model list is asked (context, up or down).")
         add("forge_store", str, "./forge-data", "Where records go: a folder or s3://bucket/prefix.")
         add("forge_s3_endpoint", str, "", "Endpoint of an S3-compatible server (e.g. http://127.0.0.1:9000).")
         add("forge_wal_dir", str, "./forge-wal", "Local write-ahead log folder (replayed at start).")
@@ -275,8 +276,9 @@ class Forge:
             log.warning("the context of %s is not known yet (%s)", replica.url, type(error).__name__)
 
     def _watch_policy(self) -> None:
-        """Every 2 s: resolve dns+ upstreams when due, and ask each replica its model list (served model name,
-        context, and whether it is up). The version is asked per call."""
+        """Every --health-seconds: resolve dns+ upstreams when due, and ask each replica its model list (served
+        model name, context, and whether it is up). The version is asked per call."""
+        interval = float(ctx.options.forge_health_seconds)
         with ThreadPoolExecutor(max_workers=8, thread_name_prefix="forge-poll") as pool:
             while not self.stop.is_set():
                 try:
@@ -288,7 +290,7 @@ class Forge:
                     self._replica_metrics()
                 except Exception as error:  # the poller never dies
                     self._internal_error("policy poll", error)
-                self.stop.wait(2.0)
+                self.stop.wait(interval)
 
     def _poll(self, replica: Replica) -> str | None:
         try:

@@ -84,6 +84,9 @@ def upstream_trust(confdir: Path, extra_cas: tuple[Path, ...]) -> dict[str, str]
               help="The policy server (vLLM); repeatable or comma-separated for several replicas (an episode "
                    "sticks to one); dns+http://NAME:PORT: every address NAME resolves to (a headless Service)."
               )  # fmt: skip
+@click.option("--health-seconds", type=click.FloatRange(min=0.1), default=2.0, show_default=True,
+              help="How often each policy replica is asked whether it is up (a refused connection is noticed "
+                   "at once).")  # fmt: skip
 @click.option("--store", default="./forge-data", show_default=True, help="Folder or s3://bucket/prefix.")
 @click.option("--s3-endpoint", help="S3-compatible endpoint URL (credentials from AWS_* variables).")
 @click.option("--wal-dir", type=click.Path(path_type=Path), help="Write-ahead log folder [default: ./forge-wal].")
@@ -133,7 +136,7 @@ def upstream_trust(confdir: Path, extra_cas: tuple[Path, ...]) -> dict[str, str]
               help="Extra CA (PEM) to verify upstream servers with, besides the system CAs; repeatable.")  # fmt: skip
 @click.option("--print-command", is_flag=True, hidden=True, help="Print mitmdump's command line (JSON), run nothing.")
 def sidecar_command(
-    mode: str, listen_host: str | None, listen_port: int, upstream: tuple[str, ...], store: str,
+    mode: str, listen_host: str | None, listen_port: int, upstream: tuple[str, ...], health_seconds: float, store: str,
     s3_endpoint: str | None, wal_dir: Path | None, episode_id: str | None, task_id: str | None,
     run_id: str | None, admin_port: int,
     reward_token_file: Path | None, trust_episode_header: bool, model_map: str, model_hosts: str,
@@ -182,7 +185,7 @@ def sidecar_command(
          "reward_token_file": reward_token_file, "trust_episode_header": "true" if trust_episode_header else None,
          "model_hosts": model_hosts, "policy_version": policy_version, "s3_endpoint": s3_endpoint,
          "flush_seconds": flush_seconds, "flush_rows": flush_rows, "max_wal_bytes": max_wal_bytes,
-         "fsync": fsync, "drain_seconds": drain_seconds,
+         "fsync": fsync, "drain_seconds": drain_seconds, "health_seconds": health_seconds,
          "max_completion_tokens": max_completion_tokens or None, "tokens_in": tokens_in,
          "tls_passthrough": "true" if transparent else None},
         upstream_trust(wal if ca_dir else confdir, upstream_ca),

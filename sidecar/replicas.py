@@ -247,11 +247,10 @@ class ReplicaSet:
             why = None
             if previous is not None:
                 was = self.replicas.get(previous)
-                why = (
-                    "unreachable" if previous in excluded
-                    else (was.reason or "down") if was is not None
-                    else self.gone.get(previous, "gone")
-                )  # fmt: skip
+                if was is not None:
+                    why = was.reason or ("unreachable" if previous in excluded else "down")
+                else:
+                    why = self.gone.get(previous, "gone")
             return Route(chosen, previous, why)
 
     def served(self, episode: str, replica: Replica) -> None:

@@ -103,6 +103,8 @@ def test_an_unreachable_replica_is_skipped_for_the_call_and_said_so():
     replicas.served("ep", home)
     other = replicas.route("ep", exclude=[home.url])
     assert other.replica is not home and (other.moved_from, other.why) == (home.url, "unreachable")
+    replicas.mark(home, False, "connection refused")
+    assert replicas.route("ep", exclude=[home.url]).why == "connection refused"
 
 
 def test_a_first_call_whose_replica_is_down_is_no_move():
@@ -214,10 +216,12 @@ def test_an_episode_sticks_to_one_replica_and_moves_without_losing_a_call_when_i
     httpx.post(f"{b}/update_weight_version", json={"new_version": "b-1"}, timeout=30).raise_for_status()
     version_a = httpx.get(f"{a}/weight_info", timeout=30).json()["weight_version"]
     upstream = f"{a},{b}"
-    # Two sidecars over the same replicas: one asks each call's version of its replica (a stopped replica is found
-    # by that question), the other has a fixed version (found when the new connection to it is refused).
-    asked = start_sidecar(upstream, mode=f"reverse:{a}", episode_id=None)
-    fixed = start_sidecar(upstream, mode=f"reverse:{a}", episode_id=None, extra=("--policy-version", "fixed-7"))
+    # Two sidecars over the same replicas, whose health poll would come too late to notice the stop: one asks each
+    # call's version of its replica (the stopped replica is found by that question), the other has a fixed version
+    # (found when the new connection to it is refused).
+    polls = ("--health-seconds", "600")
+    asked = start_sidecar(upstream, mode=f"reverse:{a}", episode_id=None, extra=polls)
+    fixed = start_sidecar(upstream, mode=f"reverse:{a}", episode_id=None, extra=(*polls, "--policy-version", "fixed-7"))
     moving = Conversation(asked.url, episode_on(b, [a, b], "moving"))
     moving_fixed = Conversation(fixed.url, episode_on(b, [a, b], "moving-fixed"))
     staying = Conversation(asked.url, episode_on(a, [a, b], "staying"))
@@ -227,7 +231,7 @@ def test_an_episode_sticks_to_one_replica_and_moves_without_losing_a_call_when_i
     moving_fixed.turn(stream=True)
     staying.turn()
 
-    second_replica.stop()  # no call in flight; the next calls come before or after the sidecars' poll notices
+    second_replica.stop()  # no call in flight
     stopped_at = time.monotonic()
     moving.turn()
     moving_fixed.turn()
@@ -254,7 +258,7 @@ def test_an_episode_sticks_to_one_replica_and_moves_without_losing_a_call_when_i
     assert served(moving_fixed.episode) == [(b, None, "fixed-7")] * 2 + [(a, b, "fixed-7"), (a, None, "fixed-7")]
     assert served(staying.episode) == [(a, None, version_a)] * 2  # the other replica's episodes never move
     for row in (by_episode[moving.episode][3], by_episode[moving_fixed.episode][2]):
-        assert f"moved from replica {b}" in (row["note"] or ""), row["note"]
+        assert f"moved from replica {b} (connection refused)" in (row["note"] or ""), row["note"]
     for sidecar in (asked, fixed):
         metrics = wait_for(lambda s=sidecar: (m := s.metrics()).get(f'replica_up{{replica="{b}"}}') == 0 and m,
                            what="the stopped replica reported down")  # fmt: skip
