@@ -264,4 +264,14 @@ def test_an_episode_sticks_to_one_replica_and_moves_without_losing_a_call_when_i
                            what="the stopped replica reported down")  # fmt: skip
         assert metrics[f'replica_up{{replica="{a}"}}'] == 1 and metrics["upstream_up"] == 1
         assert metrics["replica_moves_total"] == 1
-    print(f"the first call after the stop was served by the other replica within {moved_within_s:.2f} s")
+    from collector.report import fidelity
+    from collector.sql import connect
+
+    columns, rows = fidelity(connect(asked.store, episodes=True, idle_seconds=0))
+    (run,) = [dict(zip(columns, r, strict=True)) for r in rows if r[0] == "run"]
+    assert run["replica_moves"] == 2 and run["calls"] == expected  # `forge report` counts the moves
+    ms = [(r["finished_at"] - r["started_at"]).total_seconds() * 1e3 for r in by_episode[moving.episode]]
+    print(
+        f"call durations (ms) of the moving episode: {[round(m) for m in ms]}; the moved one is call 3; the first"
+        f" two calls after the stop took {moved_within_s:.2f} s together"
+    )
