@@ -399,8 +399,17 @@ class Forge:
                 self._route(flow, self.replicas.route(None).replica)
                 if api == "count_tokens":
                     self._map_model(flow)
-        except Exception as error:  # fail open: the call goes on unrecorded
+        except LookupError as error:  # no replica known (a dns+ name that listed none yet)
+            self.metrics.inc("no_replica_total")
+            flow.metadata["forge_answered"] = True
+            flow.response = http.Response.make(
+                502, error_body(api, 502, f"The policy server is unavailable ({error}).", "policy_unavailable"),
+                error_headers(api),
+            )  # fmt: skip
+        except Exception as error:  # fail open: the call goes on unrecorded, but to the policy, never the real host
             self._internal_error("request", error)
+            if "forge_call" not in flow.metadata:
+                self._route(flow, self.replicas.route(None).replica)
 
     async def server_connect(self, data: Any) -> None:
         """A new connection to a replica that now refuses it (it died since the last poll) is sent to the next live

@@ -160,6 +160,26 @@ def test_a_real_name_resolves():
     assert "http://127.0.0.1:8000" in {r.url for r in replicas.all()}
 
 
+# -- the real sidecar, no policy server needed ---------------------------------------------------------------------
+def test_a_bad_upstream_stops_forge_sidecar_with_one_line():
+    from click.testing import CliRunner
+
+    from forge.cli import cli
+
+    result = CliRunner().invoke(cli, ["sidecar", "--upstream", "http://a:1", "--upstream", "ftp://b:2"])
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    assert "--upstream 'ftp://b:2': write http(s)://HOST:PORT" in result.output
+
+
+@pytest.mark.integration
+def test_a_name_that_lists_no_replica_gets_the_harness_a_json_error(start_sidecar):
+    sidecar = start_sidecar("dns+http://nothing.invalid:8000", mode="reverse:http://127.0.0.1:9", episode_id="ep")
+    answer = httpx.post(f"{sidecar.url}/v1/chat/completions", timeout=30,
+                        json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
+    assert answer.status_code == 502 and answer.json()["error"]["code"] == "policy_unavailable", answer.text
+    assert sidecar.metrics()["no_replica_total"] == 1 and sidecar.metrics()["upstream_up"] == 0
+
+
 # -- two real vLLM replicas behind the real sidecar ---------------------------------------------------------------
 @pytest.fixture(scope="module")
 def second_replica(prepared_model: PreparedModel, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PolicyServer]:
