@@ -118,12 +118,12 @@ def main(calls: int, gateway_python: Path) -> None:
                f"{added_bare:.2f} ms (goal <= 1.1x)")  # fmt: skip
     click.echo(f"sidecar calls/s (64 clients): {ours['rps_64']:.0f} = {ours['rps_64'] / bare['rps_64']:.2f}x bare "
                f"mitmdump's {bare['rps_64']:.0f} (goal >= 0.9x)")  # fmt: skip
-    if gateway := results.get("rllm-model-gateway"):
+    if peer := results.get("rllm-model-gateway"):
         figures = (("p50 1 client", "p50_1", min), ("p99 1 client", "p99_1", min),
                    ("calls/s 64 clients", "rps_64", max), ("p99 64 clients", "p99_64", min))  # fmt: skip
         for label, key, better in figures:
-            verdict = "sidecar better" if better(ours[key], gateway[key]) == ours[key] else "gateway better"
-            click.echo(f"vs rllm-model-gateway, {label}: {ours[key]:.2f} vs {gateway[key]:.2f} ({verdict})")
+            verdict = "sidecar better" if better(ours[key], peer[key]) == ours[key] else "gateway better"
+            click.echo(f"vs rllm-model-gateway, {label}: {ours[key]:.2f} vs {peer[key]:.2f} ({verdict})")
 
 
 if __name__ == "__main__":

@@ -40,13 +40,14 @@ per_episode AS (
     FROM causes GROUP BY episode_id
 ),
 served AS (
-    SELECT episode_id, count(*) FILTER (WHERE {continuation} = 'tokens_in') AS n_tokens_in
+    SELECT episode_id, count(*) FILTER (WHERE {continuation} = 'tokens_in') AS n_tokens_in,
+           count({moved_from}) AS n_replica_moves
     FROM calls_raw GROUP BY episode_id
 ),
 episodes AS (
     SELECT e.*, coalesce(p.f_retokenization, 0) AS f_retokenization, coalesce(p.f_retry, 0) AS f_retry,
            coalesce(p.f_rewrite, 0) AS f_rewrite, coalesce(p.f_unrelated, 0) AS f_unrelated,
-           coalesce(v.n_tokens_in, 0) AS n_tokens_in
+           coalesce(v.n_tokens_in, 0) AS n_tokens_in, coalesce(v.n_replica_moves, 0) AS n_replica_moves
     FROM episodes e LEFT JOIN per_episode p USING (episode_id) LEFT JOIN served v USING (episode_id)
 )
 SELECT CASE WHEN GROUPING(harness) = 0 THEN 'harness' ELSE 'run' END AS grouping,
@@ -69,7 +70,8 @@ SELECT CASE WHEN GROUPING(harness) = 0 THEN 'harness' ELSE 'run' END AS grouping
        sum(f_retry)::BIGINT AS forks_retry,
        sum(f_rewrite)::BIGINT AS forks_rewrite,
        sum(f_unrelated)::BIGINT AS forks_unrelated,
-       sum(n_tokens_in)::BIGINT AS calls_tokens_in
+       sum(n_tokens_in)::BIGINT AS calls_tokens_in,
+       sum(n_replica_moves)::BIGINT AS replica_moves
 FROM episodes
 GROUP BY GROUPING SETS ((harness), (run_id))
 ORDER BY grouping, name
@@ -82,22 +84,24 @@ PLOTTED = [
 ]  # fmt: skip
 
 
-def _continuation_column(con: duckdb.DuckDBPyConnection) -> str:
-    """The records' ``continuation`` column, or NULL where every file predates it."""
+def _column_or_null(con: duckdb.DuckDBPyConnection, name: str = "continuation") -> str:
+    """A column of the records (``continuation`` by default), or NULL where every file predates it."""
     columns = {row[0] for row in con.execute("DESCRIBE calls_raw").fetchall()}
-    return "continuation" if "continuation" in columns else "NULL::VARCHAR"
+    return name if name in columns else "NULL::VARCHAR"
 
 
 def fork_causes(con: duckdb.DuckDBPyConnection) -> list[dict]:
     """One row per fork (a segment after an episode's first): episode, harness, run, segment, reason, cause."""
-    query = FORK_CAUSES_SQL.format(continuation=_continuation_column(con)) + " ORDER BY episode_id, segment"
+    query = FORK_CAUSES_SQL.format(continuation=_column_or_null(con)) + " ORDER BY episode_id, segment"
     return con.execute(query).arrow().read_all().to_pylist()
 
 
 def fidelity(con: duckdb.DuckDBPyConnection) -> tuple[list[str], list[tuple]]:
-    continuation = _continuation_column(con)
+    continuation = _column_or_null(con)
     causes = FORK_CAUSES_SQL.format(continuation=continuation)
-    table = con.execute(REPORT_SQL.format(fork_causes=causes, continuation=continuation)).arrow().read_all()
+    moved_from = _column_or_null(con, "replica_moved_from")  # calls that moved to another replica
+    query = REPORT_SQL.format(fork_causes=causes, continuation=continuation, moved_from=moved_from)
+    table = con.execute(query).arrow().read_all()
     return table.column_names, [tuple(row.values()) for row in table.to_pylist(maps_as_pydicts="lossy")]
 
 

@@ -49,7 +49,7 @@ class InjectorSettings:
     proxy_uid: int = 1337
     proxy_port: int = 15001
     admin_port: int = 15002
-    upstream: str = "http://openforge-policy.openforge-system.svc:8000"
+    upstream: str = "dns+http://openforge-policy-replicas.openforge-system.svc:8000"  # every replica
     store: str = "s3://openforge/forge-data"
     s3_endpoint: str = ""
     model_hosts: str = "api.openai.com,api.anthropic.com"

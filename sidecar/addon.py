@@ -30,6 +30,7 @@ import threading
 import time
 import urllib.request
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,7 @@ from sidecar.redact import (
     secrets_in_body,
     secrets_in_headers,
 )
+from sidecar.replicas import Replica, ReplicaSet, Route, UpstreamError, parse_upstreams
 from sidecar.request_delta import RequestDelta, RequestIndex
 from sidecar.sse import EventFramer
 from sidecar.store import open_store
@@ -70,6 +72,7 @@ _STRIPPED = tuple(name.encode() for name in (EPISODE_HEADER, TASK_HEADER, *HOP_S
 DEFAULT_MODEL_HOSTS = "api.openai.com,api.anthropic.com"
 MAX_RECORDED_BODY = 4 << 20  # bodies bigger than this are recorded as a note, not copied
 CONTEXT_RETRY_S = 10.0  # how often calls may ask a policy server that did not say its context (max_model_len)
+PROBE_TIMEOUT_S = 2.0  # a replica that does not accept a connection within this is taken as down
 
 
 def header_map(headers: http.Headers) -> dict[str, str]:
@@ -118,6 +121,17 @@ class Call:
     harness: str | None = None  # which harness made the call (sidecar.harness)
     user_agent: str | None = None
     continuation: Decision | None = None  # what tokens-in continuation found (sidecar/continuation.py)
+    replica: Replica | None = None  # the policy replica it was sent to (sidecar/replicas.py)
+    moved_from: str | None = None  # the replica that served the episode's previous call, when it moved
+    moved_why: str | None = None
+
+
+def moved_note(call: Call, note: str | None) -> str | None:
+    """The record's note with the replica move said, when the episode moved to another replica for this call."""
+    if call.moved_from is None:
+        return note
+    moved = f"moved from replica {call.moved_from} ({call.moved_why or 'down'})"
+    return "; ".join(filter(None, [note, moved]))
 
 
 class Forge:
@@ -125,18 +139,21 @@ class Forge:
         self.metrics = Metrics()
         self.prefixes = PrefixIndex()
         self.requests = RequestIndex()
-        self.continuations = Continuations("off")
+        self.tokens_in_mode = "off"
+        self.continuations: dict[str, Continuations] = {}  # per replica URL
         self.in_flight: dict[str, tuple[http.HTTPFlow, Call]] = {}  # calls begun, not yet recorded
-        self.versions: VersionClock | None = None  # asks the server's weight version around each call
+        self.versions: dict[str, VersionClock] = {}  # per replica URL: asks its weight version around each call
         self.writer: RecordWriter | None = None
         self.admin: AdminServer | None = None
         self.policy_version: str | None = None  # fixed by --policy-version; else asked per call
         self.policy_model: str | None = None
-        self.policy_context: int | None = None  # the policy server's max_model_len, asked once (GET /v1/models)
-        self.context_asked_at = -CONTEXT_RETRY_S  # a call asks at most this often (the poller keeps asking)
+        self.context_asked: dict[str, float] = {}  # replica URL -> when a call last asked its context
         self.model_hosts: set[str] = set()
         self.model_map: list[tuple[str, str]] = []
-        self.upstream = urlparse("http://127.0.0.1:8000")
+        self.replicas = ReplicaSet(parse_upstreams("http://127.0.0.1:8000"))
+        # Model calls routed but not yet connected, by (client connection, replica address): `server_connect` finds
+        # the flows a new upstream connection is for, and moves them when their replica refuses it.
+        self.connecting: dict[tuple[str, tuple[str, int]], list[http.HTTPFlow]] = {}
         self.sidecar_id = ""
         self.secrets: list[str] = []
         self.pod_episode: str | None = None  # the pod's identity (downward API), when the sidecar runs in one
@@ -148,7 +165,10 @@ class Forge:
     # -- options and lifecycle ------------------------------------------------------------------------------
     def load(self, loader: Any) -> None:
         add = loader.add_option
-        add("forge_upstream", str, "http://127.0.0.1:8000", "The policy server (vLLM) that serves model calls.")
+        add("forge_upstream", str, "http://127.0.0.1:8000", "The policy servers (vLLM replicas): "
+            "comma-separated http(s)://HOST:PORT, or dns+http(s)://NAME:PORT for every address of NAME.")  # fmt: skip
+        add("forge_upstream_refresh_seconds", str, "10", "How often dns+ upstreams are resolved again.")
+        add("forge_health_seconds", str, "2", "How often each replica's model list is asked (context, up or down).")
         add("forge_store", str, "./forge-data", "Where records go: a folder or s3://bucket/prefix.")
         add("forge_s3_endpoint", str, "", "Endpoint of an S3-compatible server (e.g. http://127.0.0.1:9000).")
         add("forge_wal_dir", str, "./forge-wal", "Local write-ahead log folder (replayed at start).")
@@ -177,9 +197,15 @@ class Forge:
 
     def running(self) -> None:
         o = ctx.options
-        self.upstream = urlparse(o.forge_upstream)
+        try:
+            upstreams = parse_upstreams(o.forge_upstream)
+            self.replicas = ReplicaSet(upstreams, refresh_s=float(o.forge_upstream_refresh_seconds))
+        except (UpstreamError, ValueError) as error:
+            log.error("%s: the sidecar stops", error)
+            ctx.master.shutdown()
+            return
         self.model_hosts = {h.strip().lower() for h in o.forge_model_hosts.split(",") if h.strip()}
-        self.model_hosts.add(self.upstream.netloc.lower())
+        self.model_hosts |= {u.url.split("://", 1)[1].lower() for u in upstreams}
         self.model_map = [
             (pattern.strip(), target.strip())
             for pattern, _, target in (p.partition("=") for p in o.forge_model_map.split(","))
@@ -192,11 +218,8 @@ class Forge:
         ).start()  # fmt: skip
         self.sidecar_id = self.writer.sidecar_id
         self.policy_model = o.forge_policy_model or None
-        self.continuations = Continuations(o.forge_tokens_in, f"{self.upstream.scheme}://{self.upstream.netloc}")
+        self.tokens_in_mode = Continuations(o.forge_tokens_in).mode  # checked here: a bad mode stops the start
         self.policy_version = o.forge_policy_version or None
-        if not self.policy_version:
-            writer = self.writer
-            self.versions = VersionClock(self.upstream, lambda row, v: writer.complete(row, {"policy_version_end": v}))
         threading.Thread(target=self._watch_policy, name="forge-policy", daemon=True).start()
         self.pod_episode = os.environ.get("FORGE_EPISODE_ID") or os.environ.get("POD_UID") or None
         if o.forge_admin_port:
@@ -243,37 +266,102 @@ class Forge:
             log.error("%d records are still in the write-ahead log; the next start replays them",
                       self.writer.pending())  # fmt: skip
             atexit.register(os._exit, 3)  # after mitmproxy's own clean-up: a stop that leaves records is not clean
-        if self.versions:
-            self.versions.stop()
+        for clock in self.versions.values():
+            clock.stop()
 
-    def _ask_models(self) -> None:
-        """The served model's name (unless given) and context, from the policy server's model list."""
-        base = f"{self.upstream.scheme}://{self.upstream.netloc}"
-        with urllib.request.urlopen(f"{base}/v1/models", timeout=2) as answer:
+    # -- the policy replicas --------------------------------------------------------------------------------
+    def _ask_models(self, replica: Replica) -> None:
+        """The served model's name (unless given) and a replica's context, from its model list."""
+        with urllib.request.urlopen(f"{replica.url}/v1/models", timeout=2) as answer:
             listed = json.load(answer)["data"]
         if not ctx.options.forge_policy_model:
             self.policy_model = listed[0]["id"]
         served = next((m for m in listed if m.get("id") == self.policy_model), listed[0])
         context = served.get("max_model_len")
         if isinstance(context, int) and not isinstance(context, bool) and context > 0:
-            self.policy_context = context
+            replica.context = context
 
-    async def _learn_context(self) -> None:
+    async def _learn_context(self, replica: Replica) -> None:
         try:
-            await asyncio.to_thread(self._ask_models)
+            await asyncio.to_thread(self._ask_models, replica)
         except Exception as error:  # the call goes on bounded by --max-completion-tokens only; the poller retries
-            log.warning("the policy server's context is not known yet (%s)", type(error).__name__)
+            log.warning("the context of %s is not known yet (%s)", replica.url, type(error).__name__)
 
     def _watch_policy(self) -> None:
-        """Keep the served model name current, and whether the policy server is up (the version is per call)."""
-        while not self.stop.is_set():
-            try:
-                if not ctx.options.forge_policy_model or self.policy_context is None:
-                    self._ask_models()
-                self.metrics.set("upstream_up", 1)
-            except Exception:
-                self.metrics.set("upstream_up", 0)
-            self.stop.wait(2.0)
+        """Every --health-seconds: resolve dns+ upstreams when due, and ask each replica its model list (served
+        model name, context, and whether it is up). The version is asked per call."""
+        interval = float(ctx.options.forge_health_seconds)
+        with ThreadPoolExecutor(max_workers=8, thread_name_prefix="forge-poll") as pool:
+            while not self.stop.is_set():
+                try:
+                    for change in self.replicas.refresh():
+                        log.warning("policy replicas: %s", change)
+                    replicas = self.replicas.all()
+                    for replica, failure in zip(replicas, pool.map(self._poll, replicas), strict=True):
+                        self._mark(replica, failure is None, failure)
+                    self._replica_metrics()
+                except Exception as error:  # the poller never dies
+                    self._internal_error("policy poll", error)
+                self.stop.wait(interval)
+
+    def _poll(self, replica: Replica) -> str | None:
+        try:
+            self._ask_models(replica)
+            return None
+        except Exception as error:
+            return f"{type(error).__name__}: {getattr(error, 'reason', error)}"
+
+    def _mark(self, replica: Replica, up: bool, reason: str | None = None) -> None:
+        was = replica.up
+        if self.replicas.mark(replica, up, reason):
+            if up and was is False:
+                log.warning("policy replica %s is up again", replica.url)
+            elif not up:
+                self.metrics.inc("replica_down_total")
+                log.warning("policy replica %s is down (%s); its episodes move to the others", replica.url, reason)
+        self._replica_metrics()
+
+    def _replica_metrics(self) -> None:
+        replicas = self.replicas.all()
+        for replica in replicas:
+            self.metrics.set(f'replica_up{{replica="{replica.url}"}}', 1 if replica.up else 0)
+        self.metrics.set("upstream_up", 1 if any(r.up for r in replicas) else 0)
+
+    def _clock(self, replica: Replica) -> VersionClock:
+        if replica.url not in self.versions:
+            writer = self.writer
+            assert writer is not None
+            self.versions[replica.url] = VersionClock(
+                urlparse(replica.url), lambda row, v: writer.complete(row, {"policy_version_end": v})
+            )
+        return self.versions[replica.url]
+
+    def _continuations(self, replica: Replica) -> Continuations:
+        if replica.url not in self.continuations:
+            self.continuations[replica.url] = Continuations(self.tokens_in_mode, replica.url)
+        return self.continuations[replica.url]
+
+    async def _choose(self, episode: str) -> tuple[Route, str | None]:
+        """The replica for an episode's call, and the policy version it serves now. A replica whose version
+        question finds it refusing connections is marked down at once and the next one tried."""
+        tried: list[str] = []
+        while True:
+            route = self.replicas.route(episode, exclude=tried)
+            replica = route.replica
+            asked = self.context_asked.get(replica.url, -CONTEXT_RETRY_S)
+            if replica.context is None and time.monotonic() - asked >= CONTEXT_RETRY_S:
+                # A call before the first poll: its bound needs the context. A server that does not say it
+                # (no max_model_len, not vLLM) is asked again only now and then, never by every call.
+                self.context_asked[replica.url] = time.monotonic()
+                await self._learn_context(replica)
+            if self.policy_version:
+                return route, self.policy_version
+            clock = self._clock(replica)
+            version = await clock.before()
+            if not clock.refused or replica.url in tried or len(self.replicas.all()) < 2:
+                return route, version
+            self._mark(replica, False, "connection refused")
+            tried.append(replica.url)
 
     # -- hooks ----------------------------------------------------------------------------------------------
     def tls_clienthello(self, data: Any) -> None:
@@ -315,26 +403,90 @@ class Forge:
             return
         try:
             if api in apis.RECORDED:
-                if self.policy_context is None and time.monotonic() - self.context_asked_at >= CONTEXT_RETRY_S:
-                    # A call before the first poll: its bound needs the context. A server that does not say it
-                    # (no max_model_len, not vLLM) is asked again only now and then, never by every call.
-                    self.context_asked_at = time.monotonic()
-                    await self._learn_context()
-                self._begin(flow, api)
+                headers = header_map(flow.request.headers)  # read once: mitmproxy's multidict lookups cost per call
+                identity = self._identity(flow, headers)
+                route, version = await self._choose(identity[0])
+                self._begin(flow, api, identity, route, headers)
                 call: Call = flow.metadata["forge_call"]
-                call.policy_version = self.policy_version or (await self.versions.before() if self.versions else None)
-                await self.continuations.prepare(flow, call, self.prefixes.sequences(call.episode_id))
+                call.policy_version = version
+                assert call.replica is not None
+                await self._continuations(call.replica).prepare(flow, call, self.prefixes.sequences(call.episode_id))
             else:  # served by the policy, not a sampled call: routed, never recorded
                 self._strip_hop_secrets(flow)
-                self._route(flow)
+                self._route(flow, self.replicas.route(None).replica)
                 if api == "count_tokens":
                     self._map_model(flow)
-        except Exception as error:  # fail open: the call goes on unrecorded
+        except LookupError as error:  # no replica known (a dns+ name that listed none yet)
+            self.metrics.inc("no_replica_total")
+            flow.metadata["forge_answered"] = True
+            flow.response = http.Response.make(
+                502, error_body(api, 502, f"The policy server is unavailable ({error}).", "policy_unavailable"),
+                error_headers(api),
+            )  # fmt: skip
+        except Exception as error:  # fail open: the call goes on unrecorded, but to the policy, never the real host
             self._internal_error("request", error)
+            if "forge_call" not in flow.metadata:
+                self._route(flow, self.replicas.route(None).replica)
+
+    async def server_connect(self, data: Any) -> None:
+        """A new connection to a replica that now refuses it (it died since the last poll) is sent to the next live
+        replica instead, before any byte of the call went anywhere: no call is lost to a stopped replica."""
+        address = data.server.address
+        flows = self.connecting.get((data.client.id, address)) if address else None
+        if not flows or len(self.replicas.all()) < 2:
+            return
+        try:
+            await self._connect_or_move(data, flows)
+        except Exception as error:  # fail open: the connection is tried as it was
+            self._internal_error("server_connect", error)
+
+    async def _connect_or_move(self, data: Any, flows: list[http.HTTPFlow]) -> None:
+        replica = self.replicas.by_address(*data.server.address)
+        call: Call | None = next((f.metadata["forge_call"] for f in flows if "forge_call" in f.metadata), None)
+        tried: list[str] = []
+        while replica is not None and replica.url not in tried:
+            try:
+                _, writer = await asyncio.wait_for(asyncio.open_connection(replica.host, replica.port), PROBE_TIMEOUT_S)
+                writer.close()
+                break
+            except (OSError, TimeoutError) as error:
+                failed = "timed out" if isinstance(error, TimeoutError) else "refused"
+                self._mark(replica, False, f"connection {failed}")
+                tried.append(replica.url)
+                replica = self.replicas.route(call.episode_id if call else None, exclude=tried).replica
+        if not tried or replica is None or replica.url in tried:
+            return  # reachable as routed, or no replica is: mitmproxy's own attempt fails and PolicyGuard answers
+        data.server.address = (replica.host, replica.port)
+        if replica.scheme == "https":
+            data.server.sni = replica.host
+        for flow in list(flows):
+            self._connected(flow)
+            self._route(flow, replica)
+            moved: Call | None = flow.metadata.get("forge_call")
+            if moved is None:
+                continue
+            route = self.replicas.route(moved.episode_id, exclude=tried)
+            moved.replica, moved.moved_from, moved.moved_why = replica, route.moved_from, route.why
+            if not self.policy_version:
+                moved.policy_version = await self._clock(replica).before()
+
+    def _connected(self, flow: http.HTTPFlow) -> None:
+        """The flow no longer waits for a connection to its replica."""
+        key = (flow.client_conn.id, (flow.request.host, flow.request.port))
+        waiting = self.connecting.get(key)
+        if waiting is not None:
+            if flow in waiting:
+                waiting.remove(flow)
+            if not waiting:
+                del self.connecting[key]
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         call: Call | None = flow.metadata.get("forge_call")
         assert flow.response is not None
+        if "forge_api" in flow.metadata:
+            self._connected(flow)
+        if call is not None and call.replica is not None:
+            self.replicas.served(call.episode_id, call.replica)  # its next call sticks there
         if call is None:
             if "forge_api" not in flow.metadata:
                 flow.response.stream = True
@@ -347,6 +499,8 @@ class Forge:
 
     async def response(self, flow: http.HTTPFlow) -> None:
         call: Call | None = flow.metadata.get("forge_call")
+        if "forge_api" in flow.metadata:
+            self._connected(flow)
         if flow.metadata.get("forge_api") == "models" and flow.request.headers.get("anthropic-version"):
             self._anthropic_model_list(flow)
         if call is None or call.recorded:
@@ -354,7 +508,12 @@ class Forge:
         try:
             failed = flow.response is not None and flow.response.status_code >= 400
             tokens_in = call.continuation is not None and call.continuation.state == "tokens_in"
-            if failed and tokens_in and await self.continuations.fall_back(self, flow, call):
+            if (
+                failed
+                and tokens_in
+                and call.replica
+                and await self._continuations(call.replica).fall_back(self, flow, call)
+            ):
                 return  # served (and recorded) by the normal path instead
             self._finish(flow, call)
         except Exception as error:
@@ -362,6 +521,8 @@ class Forge:
 
     def error(self, flow: http.HTTPFlow) -> None:
         call: Call | None = flow.metadata.get("forge_call")
+        if "forge_api" in flow.metadata:
+            self._connected(flow)
         if call is None or call.recorded:
             return
         try:
@@ -407,9 +568,11 @@ class Forge:
         run = o.forge_run_id or os.environ.get("FORGE_RUN_ID") or "default"
         return episode, task, run
 
-    def _begin(self, flow: http.HTTPFlow, api: str) -> None:
-        headers = header_map(flow.request.headers)  # read once: mitmproxy's multidict lookups cost per call
-        episode, task, run = self._identity(flow, headers)
+    def _begin(
+        self, flow: http.HTTPFlow, api: str, identity: tuple[str, str | None, str], route: Route,
+        headers: dict[str, str],
+    ) -> None:  # fmt: skip
+        episode, task, run = identity
         assert self.writer is not None
         seq = self.writer.next_seq(episode)
         call = Call(
@@ -423,7 +586,8 @@ class Forge:
         flow.metadata["forge_call"] = call
         self.in_flight[call.call_id] = (flow, call)
         self._strip_hop_secrets(flow)
-        self._route(flow)
+        self._route(flow, route.replica)
+        call.replica, call.moved_from, call.moved_why = route.replica, route.moved_from, route.why
         try:
             flow.request.decode(strict=True)  # vLLM reads no gzip/br/zstd bodies: send them on decoded
             content = flow.request.raw_content
@@ -451,7 +615,7 @@ class Forge:
         served = self._served_model(call.model_requested)
         if served:
             body["model"] = served
-        call.bound = apis.bound_completion(api, body, ctx.options.forge_max_completion_tokens, self.policy_context)
+        call.bound = apis.bound_completion(api, body, ctx.options.forge_max_completion_tokens, route.replica.context)
         call.module = apis.module_for(api)
         try:
             call.added = call.module.prepare_request(api, body)
@@ -496,12 +660,12 @@ class Forge:
              "last_id": data[-1]["id"] if data else None}
         ).encode()  # fmt: skip
 
-    def _route(self, flow: http.HTTPFlow) -> None:
-        upstream = self.upstream
-        flow.request.scheme = upstream.scheme or "http"
-        flow.request.host = upstream.hostname or "127.0.0.1"
-        flow.request.port = upstream.port or (443 if upstream.scheme == "https" else 80)
-        flow.request.headers["host"] = upstream.netloc
+    def _route(self, flow: http.HTTPFlow, replica: Replica) -> None:
+        flow.request.scheme = replica.scheme
+        flow.request.host = replica.host
+        flow.request.port = replica.port
+        flow.request.headers["host"] = replica.netloc
+        self.connecting.setdefault((flow.client_conn.id, (replica.host, replica.port)), []).append(flow)
 
     def _served_model(self, requested: str | None) -> str | None:
         for pattern, target in self.model_map:
@@ -623,7 +787,7 @@ class Forge:
             "max_tokens_served": call.bound.served(len(prompt) // 4 if prompt is not None else None)
             if call.bound
             else None,
-            "note": note_of(call.continuation, sampled.note if sampled else None),
+            "note": note_of(call.continuation, moved_note(call, sampled.note if sampled else None)),
             "continuation": call.continuation.state if call.continuation else None,
             "parent_call_id": parent, "prefix_len": prefix_len,
             "prompt_suffix_ids": prompt[prefix_len * 4 :] if prompt is not None else None,
@@ -636,19 +800,22 @@ class Forge:
             "request_suffix_chars": request.suffix_chars, "response_json": response_json,
             "usage": json.dumps(sampled.usage) if sampled and sampled.usage else None,
             "harness": call.harness,
+            "replica": call.replica.url if call.replica else None, "replica_moved_from": call.moved_from,
             "user_agent": scrub_text(user_agent, call.secrets) if user_agent else None,
             "sidecar_id": self.sidecar_id, "sidecar_version": SIDECAR_VERSION,
         }  # fmt: skip
         # The version as the call ends is asked off the event loop (vLLM answers between engine steps): the row
         # is logged now and held in the WAL until the answer completes it (at most writer.HOLD_S).
-        probe = call.policy_version is not None and self.versions is not None
+        probe = call.policy_version is not None and not self.policy_version and call.replica is not None
         row_id = self.writer.append("calls", checked_row("calls", row), hold=probe)
         if row_id is not None:
+            if call.moved_from is not None:
+                self.metrics.inc("replica_moves_total")
             if call.request_json is not None:
                 self.requests.remember(call.episode_id, call.call_id, call.request_json)
             self.metrics.inc(f'calls_total{{status="{status}"}}')
-            if probe and self.versions:
-                self.versions.after(row_id)
+            if probe and call.replica is not None:
+                self._clock(call.replica).after(row_id)
 
     def _internal_error(self, where: str, error: Exception) -> None:
         self.metrics.inc("internal_errors_total")

@@ -16,6 +16,7 @@ from forge.paths import repo_root
 from sidecar import ca, netinit
 from sidecar.admin import TokenFileError, read_token_file
 from sidecar.record import to_table
+from sidecar.replicas import UpstreamError, parse_upstreams
 from sidecar.store import Store, StoreError, open_store
 
 ADDON = Path(__file__).resolve().parent / "addon.py"
@@ -79,7 +80,13 @@ def upstream_trust(confdir: Path, extra_cas: tuple[Path, ...]) -> dict[str, str]
 @click.option("--mode", default="regular", show_default=True, help="regular | reverse:URL | transparent")
 @click.option("--listen-host", help="[default: 127.0.0.1; transparent: all addresses, so ::1 too]")
 @click.option("--listen-port", type=int, default=15001, show_default=True)
-@click.option("--upstream", default="http://127.0.0.1:8000", show_default=True, help="The policy server (vLLM).")
+@click.option("--upstream", multiple=True, default=["http://127.0.0.1:8000"], show_default=True,
+              help="The policy server (vLLM); repeatable or comma-separated for several replicas (an episode "
+                   "sticks to one); dns+http://NAME:PORT: every address NAME resolves to (a headless Service)."
+              )  # fmt: skip
+@click.option("--health-seconds", type=click.FloatRange(min=0.1), default=2.0, show_default=True,
+              help="How often each policy replica is asked whether it is up (a refused connection is noticed "
+                   "at once).")  # fmt: skip
 @click.option("--store", default="./forge-data", show_default=True, help="Folder or s3://bucket/prefix.")
 @click.option("--s3-endpoint", help="S3-compatible endpoint URL (credentials from AWS_* variables).")
 @click.option("--wal-dir", type=click.Path(path_type=Path), help="Write-ahead log folder [default: ./forge-wal].")
@@ -129,8 +136,9 @@ def upstream_trust(confdir: Path, extra_cas: tuple[Path, ...]) -> dict[str, str]
               help="Extra CA (PEM) to verify upstream servers with, besides the system CAs; repeatable.")  # fmt: skip
 @click.option("--print-command", is_flag=True, hidden=True, help="Print mitmdump's command line (JSON), run nothing.")
 def sidecar_command(
-    mode: str, listen_host: str | None, listen_port: int, upstream: str, store: str, s3_endpoint: str | None,
-    wal_dir: Path | None, episode_id: str | None, task_id: str | None, run_id: str | None, admin_port: int,
+    mode: str, listen_host: str | None, listen_port: int, upstream: tuple[str, ...], health_seconds: float, store: str,
+    s3_endpoint: str | None, wal_dir: Path | None, episode_id: str | None, task_id: str | None,
+    run_id: str | None, admin_port: int,
     reward_token_file: Path | None, trust_episode_header: bool, model_map: str, model_hosts: str,
     policy_version: str | None, flush_seconds: float, flush_rows: int, max_wal_bytes: int, fsync: str,
     drain_seconds: float, tokens_in: str, max_completion_tokens: int, ca_dir: Path | None,
@@ -149,6 +157,10 @@ def sidecar_command(
     if not (mode in ("regular", "transparent") or mode.startswith("reverse:")):
         raise ForgeError(f"unknown --mode {mode!r}: use regular, reverse:URL or transparent")
     checked_store(store, s3_endpoint)
+    try:
+        upstreams = ",".join(u.url if not u.dns else f"dns+{u.url}" for u in parse_upstreams(upstream))
+    except UpstreamError as error:
+        raise ForgeError(str(error)) from error
     if reward_token_file:
         try:
             read_token_file(reward_token_file)
@@ -168,12 +180,12 @@ def sidecar_command(
     if listen_host is None:
         listen_host = "" if transparent else "127.0.0.1"  # REDIRECT sends IPv4 to 127.0.0.1 and IPv6 to ::1
     args = mitmdump_command(
-        mode, listen_host, listen_port, upstream, store, wal, confdir, episode_id,
+        mode, listen_host, listen_port, upstreams, store, wal, confdir, episode_id,
         {"task_id": task_id, "run_id": run_id, "admin_port": admin_port or None, "model_map": model_map,
          "reward_token_file": reward_token_file, "trust_episode_header": "true" if trust_episode_header else None,
          "model_hosts": model_hosts, "policy_version": policy_version, "s3_endpoint": s3_endpoint,
          "flush_seconds": flush_seconds, "flush_rows": flush_rows, "max_wal_bytes": max_wal_bytes,
-         "fsync": fsync, "drain_seconds": drain_seconds,
+         "fsync": fsync, "drain_seconds": drain_seconds, "health_seconds": health_seconds,
          "max_completion_tokens": max_completion_tokens or None, "tokens_in": tokens_in,
          "tls_passthrough": "true" if transparent else None},
         upstream_trust(wal if ca_dir else confdir, upstream_ca),

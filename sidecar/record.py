@@ -41,6 +41,10 @@ CALL_SCHEMA = pa.schema(
         # differ when a publish happened while the call was served (it straddles two versions).
         pa.field("policy_version", pa.string()),
         pa.field("policy_version_end", pa.string()),
+        # The policy replica that served the call (its base URL; sidecar.replicas), and the one that served the
+        # episode's previous call when this call moved off it (it went down or left): null when it stayed.
+        pa.field("replica", pa.string()),
+        pa.field("replica_moved_from", pa.string()),
         pa.field("started_at", pa.timestamp("us", tz="UTC")),
         pa.field("first_token_at", pa.timestamp("us", tz="UTC")),
         pa.field("finished_at", pa.timestamp("us", tz="UTC")),
@@ -117,6 +121,8 @@ class CallRecord(TypedDict, total=False):
     response_id: str | None
     policy_version: str | None
     policy_version_end: str | None
+    replica: str | None
+    replica_moved_from: str | None
     started_at: int
     first_token_at: int | None
     finished_at: int

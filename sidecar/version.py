@@ -42,6 +42,7 @@ class VersionClock:
         self.port = upstream.port or (443 if upstream.scheme == "https" else 80)
         self.complete = complete  # (WAL row id, version after the call) -> None
         self.in_flight: asyncio.Future[str | None] | None = None
+        self.refused = False  # the last question found the server refusing connections (it is down)
         self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
         self.waiting: list[int] = []
         self.known: tuple[float, str] | None = None  # (when its question was sent, monotonic; the version)
@@ -76,10 +77,15 @@ class VersionClock:
             asked_at = time.monotonic()
             try:
                 if connection is None:
-                    connection = await asyncio.wait_for(
-                        asyncio.open_connection(self.upstream.hostname, self.port,
-                                                ssl=self.upstream.scheme == "https" or None), TIMEOUT_S,
-                    )  # fmt: skip
+                    try:
+                        connection = await asyncio.wait_for(
+                            asyncio.open_connection(self.upstream.hostname, self.port,
+                                                    ssl=self.upstream.scheme == "https" or None), TIMEOUT_S,
+                        )  # fmt: skip
+                    except ConnectionRefusedError:
+                        self.refused = True
+                        return None
+                self.refused = False
                 version = await asyncio.wait_for(self._exchange(*connection), TIMEOUT_S)
                 self.idle.append(connection)
                 self._learn(asked_at, version)

@@ -91,6 +91,7 @@ def test_report_gives_fidelity_per_harness_and_run_and_a_png(synthetic_store, tm
     assert (codex["truncated_calls"], codex["truncated_share"]) == (1, pytest.approx(1 / 4))
     assert (codex["merge_rate"], codex["calls"]) == (1.0, 4)
     assert codex["calls_without_ids"] == 0 and run_a["complete"] == 2
+    assert run_a["replica_moves"] == 0  # records without the column (written before replicas) moved nowhere
     assert 0 < run_a["trainable_share"] < 1
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"

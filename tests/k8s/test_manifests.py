@@ -59,7 +59,8 @@ def test_the_base_has_every_part(rendered):
         ("Namespace", "openforge-system"), ("Namespace", "openforge-rollouts"),
         ("Deployment", "openforge-injector"), ("Service", "openforge-injector"),
         ("MutatingWebhookConfiguration", "openforge-injector"), ("Deployment", "openforge-policy"),
-        ("Service", "openforge-policy"), ("Job", "openforge-trainer"), ("ConfigMap", "openforge-store"),
+        ("Service", "openforge-policy"), ("Service", "openforge-policy-replicas"), ("Job", "openforge-trainer"),
+        ("ConfigMap", "openforge-store"),
         ("NetworkPolicy", "openforge-rollouts-egress"), ("Role", "openforge-orchestrator"),
         ("Secret", "openforge-ca"), ("Secret", "openforge-reward-token"), ("ConfigMap", "openforge-ca-bundle"),
     ]:  # fmt: skip

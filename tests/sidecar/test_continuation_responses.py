@@ -65,7 +65,9 @@ def _examine(body: dict, mode: str = "auto"):
 
 
 def test_a_responses_call_is_rendered_by_responses_and_served_by_its_own_endpoint_with_the_ids():
-    asked = {"model": "m", "input": [{"role": "user", "content": "x"}], "stream": True, "max_output_tokens": 50}
+    said = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "y"}]}
+    history = [{"role": "user", "content": "x"}, said, {"role": "user", "content": "z"}]
+    asked = {"model": "m", "input": history, "stream": True, "max_output_tokens": 50}
     body = copy.deepcopy(asked)
     server, found = _examine(body)
     assert found is not None
@@ -87,7 +89,8 @@ def test_a_responses_call_is_rendered_by_responses_and_served_by_its_own_endpoin
 def test_a_responses_call_whose_history_or_ids_are_not_all_in_the_request_is_not_examined(extra):
     """A stored history (previous_response_id) is not in what the render sees; a harness that asked for the
     message ids, or set reuse itself, gets the normal path."""
-    body = {"model": "m", "input": [{"role": "user", "content": "x"}], **extra}
+    said = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "y"}]}
+    body = {"model": "m", "input": [{"role": "user", "content": "x"}, said, {"role": "user", "content": "z"}], **extra}
     _, found = _examine(body)
     assert found is None
 
