@@ -12,8 +12,11 @@ Run by `forge sidecar` as ``mitmdump -s sidecar/addon.py``. The hooks below are 
 - ``tls_clienthello`` (transparent mode): open TLS only for model hosts (by SNI), pass the rest through untouched;
   pick h2 for an opened one when the client offers it, as the real model host would.
 
-``PolicyGuard`` (after ``Forge``): a policy server that cannot be reached, or answers an error that is not JSON,
-gets the harness an error in its API's own format instead of mitmproxy's HTML page; the call is recorded.
+Beside the hooks, each concern lives in a module named for it: ``identity`` (whose call it is), ``version`` (the
+policy version around each call), ``replicas`` (which policy server serves it), ``guard`` (``PolicyGuard``, after
+``Forge``: a policy server that cannot be reached, or answers an error that is not JSON, gets the harness an error
+in its API's own format instead of mitmproxy's HTML page; the call is recorded), ``continuation`` (tokens-in),
+``apis`` (the wire formats), ``writer`` (the WAL and the store).
 
 Recording is fail-open: any exception in our code is logged and counted, and the harness's call goes on.
 """
@@ -41,11 +44,12 @@ from mitmproxy import ctx, http
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # mitmdump loads this file as a script
 
 from sidecar import __version__ as SIDECAR_VERSION
-from sidecar import apis, codec, harness, transparent
+from sidecar import apis, codec, harness, identity, transparent
 from sidecar.admin import DEFAULT_TOKEN_FILE, AdminServer, TokenFileError, create_token_file, read_token_file
 from sidecar.apis.base import Sampled, Served, StreamState, WireApi
 from sidecar.apis.errors import error_body, error_headers
 from sidecar.continuation import Continuations, Decision, note_of
+from sidecar.guard import PolicyGuard
 from sidecar.metrics import Metrics
 from sidecar.prefix import PrefixIndex
 from sidecar.record import CallRecord, checked_row
@@ -65,31 +69,12 @@ from sidecar.version import VersionClock
 from sidecar.writer import RecordWriter, now_us, pack_floats, pack_ids
 
 log = logging.getLogger("openforge.sidecar")
-EPISODE_HEADER = "x-forge-episode-id"
-TASK_HEADER = "x-forge-task-id"
 HOP_SECRETS = ("authorization", "x-api-key", "api-key")  # the policy server needs none of the harness's keys
-_STRIPPED = tuple(name.encode() for name in (EPISODE_HEADER, TASK_HEADER, *HOP_SECRETS))
+_STRIPPED = tuple(name.encode() for name in (identity.EPISODE_HEADER, identity.TASK_HEADER, *HOP_SECRETS))
 DEFAULT_MODEL_HOSTS = "api.openai.com,api.anthropic.com"
 MAX_RECORDED_BODY = 4 << 20  # bodies bigger than this are recorded as a note, not copied
 CONTEXT_RETRY_S = 10.0  # how often calls may ask a policy server that did not say its context (max_model_len)
 PROBE_TIMEOUT_S = 2.0  # a replica that does not accept a connection within this is taken as down
-
-
-def header_map(headers: http.Headers) -> dict[str, str]:
-    """A request's headers as lower-case name → first value, read from mitmproxy's raw fields in one pass."""
-    found: dict[str, str] = {}
-    for name, value in headers.fields:
-        found.setdefault(name.decode("latin-1").lower(), value.decode("utf-8", "surrogateescape"))
-    return found
-
-
-def proxy_identity(user: str | None) -> tuple[str | None, str | None]:
-    """Episode and task from a regular-mode proxy user name: ``EPISODE`` or ``EPISODE;task=TASK`` (the password
-    is never read: it may hold a secret). `forge rollout`'s local backend names both."""
-    if not user:
-        return None, None
-    episode, _, rest = user.partition(";task=")
-    return episode or None, rest or None
 
 
 @dataclass
@@ -403,10 +388,10 @@ class Forge:
             return
         try:
             if api in apis.RECORDED:
-                headers = header_map(flow.request.headers)  # read once: mitmproxy's multidict lookups cost per call
-                identity = self._identity(flow, headers)
-                route, version = await self._choose(identity[0])
-                self._begin(flow, api, identity, route, headers)
+                headers = identity.header_map(flow.request.headers)  # read once: lookups cost per call
+                who = self._identity(flow, headers)
+                route, version = await self._choose(who[0])
+                self._begin(flow, api, who, route, headers)
                 call: Call = flow.metadata["forge_call"]
                 call.policy_version = version
                 assert call.replica is not None
@@ -543,30 +528,12 @@ class Forge:
         return apis.api_for(flow.request.method, flow.request.path)
 
     def _identity(self, flow: http.HTTPFlow, headers: dict[str, str]) -> tuple[str, str | None, str]:
-        """Episode, task and run of a call. The operator's flags come first. In a pod (POD_UID or FORGE_EPISODE_ID
-        from the downward API) the pod's identity comes next and what a client says (header, proxy user name) is
-        ignored and counted, unless --trust-episode-header: the agent runs shell commands in that pod."""
         o = ctx.options
-        proxy_user, proxy_task = proxy_identity((flow.metadata.get("proxyauth") or (None,))[0])
-        claimed_episode = proxy_user or headers.get(EPISODE_HEADER)
-        claimed_task = proxy_task or headers.get(TASK_HEADER)
-        pod_task = os.environ.get("FORGE_TASK_ID")
-        if self.pod_episode and not o.forge_trust_episode_header:
-            episode = o.forge_episode_id or self.pod_episode
-            task = o.forge_task_id or pod_task or None
-            if (claimed_episode and claimed_episode != episode) or (claimed_task and claimed_task != task):
-                self.metrics.inc("episode_relabel_refused_total")
-                if self.metrics.get("episode_relabel_refused_total") == 1:
-                    log.warning(
-                        "a client named another episode or task than the pod's (%s): ignored, counted in "
-                        "episode_relabel_refused_total (--trust-episode-header allows it)",
-                        episode,
-                    )
-        else:
-            episode = o.forge_episode_id or claimed_episode or self.pod_episode or f"{self.sidecar_id}-default"
-            task = o.forge_task_id or claimed_task or pod_task or None
-        run = o.forge_run_id or os.environ.get("FORGE_RUN_ID") or "default"
-        return episode, task, run
+        rules = identity.Rules(
+            o.forge_episode_id, o.forge_task_id, o.forge_run_id, o.forge_trust_episode_header, self.pod_episode,
+            f"{self.sidecar_id}-default",
+        )  # fmt: skip
+        return identity.identify(rules, headers, (flow.metadata.get("proxyauth") or (None,))[0], self.metrics)
 
     def _begin(
         self, flow: http.HTTPFlow, api: str, identity: tuple[str, str | None, str], route: Route,
@@ -823,66 +790,5 @@ class Forge:
                   scrub_text(str(error), self.secrets))  # fmt: skip
 
 
-class PolicyGuard:
-    """Policy server down: the harness gets its API's JSON error (no internal address), and the call is recorded.
-
-    mitmproxy answers a failed upstream connection itself, with an HTML page naming the address, and no hook can
-    replace that page. So while the policy server is not known to be up (the poller says so, or a call to it
-    failed), each model call first tries to connect, and a refusal is answered here. Known up, no probe is made
-    (it would cost a connection per call): a server that dies between two polls (2 s) can still get one call
-    mitmproxy's own page before the guard notices.
-    """
-
-    connect_timeout_s = 5.0
-
-    def __init__(self, forge: Forge) -> None:
-        self.forge = forge
-        self.reachable: bool | None = None  # what the last model call to the policy server showed
-
-    async def request(self, flow: http.HTTPFlow) -> None:
-        call: Call | None = flow.metadata.get("forge_call")
-        if call is None or flow.response is not None:
-            return
-        if self.forge.metrics.get("upstream_up") == 1 and self.reachable is not False:
-            return
-        try:
-            _, writer = await asyncio.wait_for(
-                asyncio.open_connection(flow.request.host, flow.request.port), self.connect_timeout_s
-            )
-            writer.close()
-        except (OSError, TimeoutError) as error:
-            self.reachable = False
-            call.error = f"the policy server is unreachable ({type(error).__name__})"
-            flow.metadata["forge_answered"] = True
-            flow.response = http.Response.make(
-                502, error_body(call.api, 502, "The policy server is unavailable; the call was recorded as failed.",
-                                "policy_unavailable"),
-                error_headers(call.api),
-            )  # fmt: skip
-
-    def error(self, flow: http.HTTPFlow) -> None:
-        if "forge_call" in flow.metadata and flow.response is None:
-            self.reachable = False  # the next model calls probe first
-
-    def response(self, flow: http.HTTPFlow) -> None:
-        response = flow.response
-        api = flow.metadata.get("forge_api")
-        if api is None or response is None:
-            return
-        if "forge_call" in flow.metadata and not flow.metadata.get("forge_answered"):
-            self.reachable = True
-        if response.status_code < 400:
-            return
-        if "json" in response.headers.get("content-type", "") or "text/event-stream" in response.headers.get(
-            "content-type", ""
-        ):
-            return
-        message = f"The policy server answered {response.status_code} {response.reason}."
-        response.headers.pop("content-encoding", None)
-        for name, value in error_headers(api).items():
-            response.headers[name] = value
-        response.content = error_body(api, response.status_code, message)
-
-
 forge = Forge()
-addons = [forge, PolicyGuard(forge)]
+addons = [forge, PolicyGuard(forge.metrics)]

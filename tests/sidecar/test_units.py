@@ -447,3 +447,21 @@ def test_the_fast_json_codec_takes_what_only_the_standard_library_reads():
     assert codec.loads('"\\ud800"') == "\ud800"
     assert codec.dumps({"n": 1 << 70}) == b'{"n":1180591620717411303424}'
     assert codec.dumps({1: "x"}) == b'{"1":"x"}'
+
+
+def test_identity_in_a_pod_ignores_and_counts_a_clients_relabel_and_outside_one_takes_it():
+    from sidecar.identity import Rules, identify
+
+    metrics = Metrics()
+    pod = Rules("", "", "", trust_client=False, pod_episode="run.add.0", default_episode="s-default")
+    claimed = {"x-forge-episode-id": "mine", "x-forge-task-id": "easy"}
+    env = {"FORGE_TASK_ID": "add", "FORGE_RUN_ID": "run"}
+    assert identify(pod, claimed, None, metrics, env) == ("run.add.0", "add", "run")
+    assert identify(pod, {}, "mine;task=easy", metrics, env) == ("run.add.0", "add", "run")
+    assert metrics.get("episode_relabel_refused_total") == 2
+    local = Rules("", "", "", trust_client=False, pod_episode=None, default_episode="s-default")
+    assert identify(local, {}, "ep-3;task=count", metrics, {}) == ("ep-3", "count", "default")
+    assert identify(local, claimed, None, metrics, {}) == ("mine", "easy", "default")
+    assert identify(local, {}, None, metrics, {}) == ("s-default", None, "default")
+    operator = Rules("fixed", "t", "r", trust_client=False, pod_episode="run.add.0", default_episode="s-default")
+    assert identify(operator, claimed, None, metrics, env) == ("fixed", "t", "r")
