@@ -11,10 +11,12 @@ import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-
-from mitmproxy import http
+from typing import TYPE_CHECKING
 
 from sidecar.metrics import Metrics
+
+if TYPE_CHECKING:  # the sidecar's environment has mitmproxy; the main one reads this module without it
+    from mitmproxy import http
 
 log = logging.getLogger("openforge.sidecar")
 
@@ -34,7 +36,7 @@ class Rules:
     default_episode: str  # for a call nobody names: "<sidecar id>-default"
 
 
-def header_map(headers: http.Headers) -> dict[str, str]:
+def header_map(headers: "http.Headers") -> dict[str, str]:
     """A request's headers as lower-case name → first value, read from mitmproxy's raw fields in one pass (its
     multidict lookups cost more than the whole read when a call asks for several)."""
     found: dict[str, str] = {}
