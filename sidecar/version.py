@@ -11,6 +11,8 @@ vLLM's OpenAI endpoints do not say which weights served a request, so each call 
   each other closely (a harness's turns, many clients) thus ask nothing before they are sent. The price: a call
   sent within ``FRESH_S`` after a publish may be recorded as straddling it (two versions) when it was not.
 - after: one worker thread asks for every call answered before its question began, then completes their WAL rows.
+  It waits ``AFTER_WAIT_S`` after a call ends so the calls ending meanwhile share one question (one client's
+  consecutive calls, many clients): a publish in that instant marks them as straddling it (conservative).
 """
 
 import asyncio
@@ -29,6 +31,7 @@ log = logging.getLogger("openforge.sidecar")
 # "version unknown"; the call would have waited that long for the server anyway.
 TIMEOUT_S = 10.0
 FRESH_S = 0.05  # an answer to a question sent at most this long ago stands for a call's version before it is sent
+AFTER_WAIT_S = 0.02  # the question after a call waits this long for other calls to end and share it
 
 
 def version_text(answer: Any) -> str | None:
@@ -122,6 +125,9 @@ class VersionClock:
                     self.lock.wait()
                 if self.stopped and not self.waiting:
                     return
+                deadline = time.monotonic() + AFTER_WAIT_S  # the calls ending meanwhile share this question
+                while not self.stopped and (left := deadline - time.monotonic()) > 0:
+                    self.lock.wait(left)
                 rows, self.waiting = self.waiting, []
             version = None  # asked after every one of these calls was answered: one question serves them all
             for _ in range(2):
