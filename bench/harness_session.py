@@ -66,10 +66,16 @@ def _codex(home: Path, work: Path, env: dict[str, str], codex: str, prompt: str,
 
 
 def _drive(store: str, episode: str, turns: int, invoke: Callable[[str, bool], int]) -> int:
-    """Invoke the harness (prompt, first?) until the episode has ``turns`` calls or ``2 * turns`` invocations ran;
-    how many ran."""
+    """Invoke the harness (prompt, first?) until the episode has ``turns`` calls, one of them served tokens-in (a
+    session whose sampled answers all happen to re-tokenize canonically shows nothing), or ``2 * turns``
+    invocations ran; how many ran."""
+
+    def enough() -> bool:
+        calls = read_calls(store, f"episode_id = '{episode}'")
+        return len(calls) >= turns and any(c["continuation"] == "tokens_in" for c in calls)
+
     invocations = 0
-    while len(read_calls(store, f"episode_id = '{episode}'")) < turns and invocations < 2 * turns:
+    while not enough() and invocations < 2 * turns:
         started = time.monotonic()
         code = invoke(PROMPTS[min(invocations, len(PROMPTS) - 1)], invocations == 0)
         invocations += 1
