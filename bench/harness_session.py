@@ -3,9 +3,10 @@
     python -m bench.harness_session codex|claude-code --turns 6 --store STORE [--upstream http://127.0.0.1:18000]
 
 One conversation driven over several invocations of the real, unmodified harness (pinned by scripts/harness.sh)
-until the sidecar has recorded at least ``--turns`` calls (a 135M policy ends its turns early, so one invocation
-makes one or two calls). Every call is one episode (the sidecar's ``--episode-id``); the harness samples at its own
-temperature (none is set), HOME is a temporary folder and it talks only to the sidecar on loopback.
+until the sidecar has recorded at least ``--turns`` calls, one of them served tokens-in (a 135M policy ends its turns
+early, so one invocation makes one to four calls; at most ``2 * --turns`` invocations). Every call is one episode
+(the sidecar's ``--episode-id``); the harness samples at its own temperature (none is set), HOME is a temporary
+folder and it talks only to the sidecar on loopback.
 
 - ``codex``: ``codex exec PROMPT``, then ``codex exec resume --last NEXT``. Codex runs as in
   tests/sidecar/test_harness_codex.py: its own defaults (no model in its config), through the test-only output bound
@@ -14,8 +15,9 @@ temperature (none is set), HOME is a temporary folder and it talks only to the s
 - ``claude-code``: ``claude -p PROMPT``, then ``claude -p --continue NEXT`` (the most recent conversation in the
   working directory). Claude Code runs as in tests/sidecar/test_harness_claude_code.py: its defaults (its own
   model), ``ANTHROPIC_BASE_URL`` the sidecar, its answers bounded by its own setting ``CLAUDE_CODE_MAX_OUTPUT_TOKENS``
-  (sent as ``max_tokens``). With SmolLM2 every answer runs into that bound and Claude Code exits 1 saying so; the
-  conversation is saved all the same and the next invocation continues it.
+  (sent as ``max_tokens``). An answer SmolLM2 does not end within that bound makes Claude Code ask it to resume (a
+  further call, up to three) and then exit 1 saying so; the conversation is saved all the same and the next
+  invocation continues it.
 
 Printed: one line per call (how tokens-in continuation judged it), then ``bench.tokens_in forks`` over the store:
 segments, fork rate, forks by cause and trainable-token share, as recorded (after) and with every tokens-in call's
