@@ -1,14 +1,23 @@
 """A real harness's multi-turn session recorded through the sidecar (``--tokens-in auto``), then its fork figures.
 
-    python -m bench.harness_session codex --turns 6 --store STORE [--upstream http://127.0.0.1:18000]
+    python -m bench.harness_session codex|claude-code --turns 6 --store STORE [--upstream http://127.0.0.1:18000]
 
-One conversation driven over several invocations of the real, unmodified Codex CLI (pinned by
-scripts/harness.sh): ``codex exec PROMPT``, then ``codex exec resume --last NEXT`` until the sidecar has recorded at
-least ``--turns`` calls (a 135M policy ends its turns early, so one invocation makes one or two calls). Codex runs
-as in tests/sidecar/test_harness_codex.py: its own defaults (no model in its config), HOME in a temporary folder,
-talking only to the sidecar on loopback, through the test-only output bound (tests/sidecar/harness_output_bound.py:
-``max_output_tokens`` on each request, as a harness with that setting would send). Every call is one episode (the
-sidecar's ``--episode-id``). It samples at its own temperature.
+One conversation driven over several invocations of the real, unmodified harness (pinned by scripts/harness.sh)
+until the sidecar has recorded at least ``--turns`` calls, one of them served tokens-in (a 135M policy ends its turns
+early, so one invocation makes one to four calls; at most ``2 * --turns`` invocations). Every call is one episode
+(the sidecar's ``--episode-id``); the harness samples at its own temperature (none is set), HOME is a temporary
+folder and it talks only to the sidecar on loopback.
+
+- ``codex``: ``codex exec PROMPT``, then ``codex exec resume --last NEXT``. Codex runs as in
+  tests/sidecar/test_harness_codex.py: its own defaults (no model in its config), through the test-only output bound
+  (tests/sidecar/harness_output_bound.py: ``max_output_tokens`` on each request, as a harness with that setting
+  would send).
+- ``claude-code``: ``claude -p PROMPT``, then ``claude -p --continue NEXT`` (the most recent conversation in the
+  working directory). Claude Code runs as in tests/sidecar/test_harness_claude_code.py: its defaults (its own
+  model), ``ANTHROPIC_BASE_URL`` the sidecar, its answers bounded by its own setting ``CLAUDE_CODE_MAX_OUTPUT_TOKENS``
+  (sent as ``max_tokens``). An answer SmolLM2 does not end within that bound makes Claude Code ask it to resume (a
+  further call, up to three) and then exit 1 saying so; the conversation is saved all the same and the next
+  invocation continues it.
 
 Printed: one line per call (how tokens-in continuation judged it), then ``bench.tokens_in forks`` over the store:
 segments, fork rate, forks by cause and trainable-token share, as recorded (after) and with every tokens-in call's
@@ -17,7 +26,6 @@ kept; ``python -m bench.tokens_in forks --store STORE`` prints the figures again
 """
 
 import argparse
-import json
 import math
 import os
 import statistics
@@ -25,13 +33,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 
-from bench.tokens_in import forks
-from sidecar.apis.responses import normalise_request
-from tests.sidecar.conftest import SidecarFactory, installed_harness, read_calls, wait_for
+from bench.tokens_in import forks, render_request
+from tests.sidecar.conftest import SidecarFactory, claude_code_env, installed_harness, read_calls, wait_for
 
 PROMPTS = [
     "What does notes.txt say? Use the shell.",
@@ -42,16 +50,51 @@ PROMPTS = [
     "Say goodbye in one word.",
 ]
 HARNESS_TIMEOUT_S = 600
+CLAUDE_MAX_OUTPUT_TOKENS = 64  # Claude Code's own CLAUDE_CODE_MAX_OUTPUT_TOKENS (as test_harness_claude_code.py)
+
+
+def _run(name: str, command: list[str], work: Path, env: dict[str, str]) -> int:
+    run = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True, timeout=HARNESS_TIMEOUT_S,
+                         stdin=subprocess.DEVNULL)  # fmt: skip
+    if run.returncode != 0:
+        print(f"{name} exited {run.returncode}: {(run.stderr or run.stdout).strip()[-400:]}", file=sys.stderr)
+    return run.returncode
 
 
 def _codex(home: Path, work: Path, env: dict[str, str], codex: str, prompt: str, first: bool) -> int:
     command = [codex, "exec", "--skip-git-repo-check"]
     command += ["-s", "read-only", prompt] if first else ["resume", "--last", "--skip-git-repo-check", prompt]
-    run = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True, timeout=HARNESS_TIMEOUT_S,
-                         stdin=subprocess.DEVNULL)  # fmt: skip
-    if run.returncode != 0:
-        print(f"codex exited {run.returncode}: {run.stderr.strip()[-400:]}", file=sys.stderr)
-    return run.returncode
+    return _run("codex", command, work, env)
+
+
+def _drive(store: str, episode: str, turns: int, invoke: Callable[[str, bool], int]) -> int:
+    """Invoke the harness (prompt, first?) until the episode has ``turns`` calls, one of them served tokens-in (a
+    session whose sampled answers all happen to re-tokenize canonically shows nothing), or ``2 * turns``
+    invocations ran; how many ran."""
+
+    def enough() -> bool:
+        calls = read_calls(store, f"episode_id = '{episode}'")
+        return len(calls) >= turns and any(c["continuation"] == "tokens_in" for c in calls)
+
+    invocations = 0
+    while not enough() and invocations < 2 * turns:
+        started = time.monotonic()
+        code = invoke(PROMPTS[min(invocations, len(PROMPTS) - 1)], invocations == 0)
+        invocations += 1
+        time.sleep(1.0)  # the sidecar flushes every 0.3 s
+        n = len(read_calls(store, f"episode_id = '{episode}'"))
+        print(f"invocation {invocations} (exit {code}, {time.monotonic() - started:.0f} s): {n} calls so far")
+    return invocations
+
+
+def _recorded(store: str, episode: str, invocations: int) -> list[dict]:
+    calls = wait_for(lambda: read_calls(store, f"episode_id = '{episode}'"), what="the session's records")
+    print(f"episode {episode}: {len(calls)} calls, {invocations} invocations")
+    print(f"{'seq':>3}  {'status':<8} {'prompt':>6} {'ids':>4}  {'continuation':<12} note")
+    for c in calls:
+        print(f"{c['seq']:>3}  {c['status']:<8} {c['prompt_len'] or 0:>6} {len(c['completion_token_ids'] or []):>4}  "
+              f"{c['continuation']!s:<12} {(c['note'] or '')[:110]}")  # fmt: skip
+    return calls
 
 
 def codex_session(upstream: str, store: str, turns: int, tmp: Path) -> list[dict]:
@@ -70,25 +113,37 @@ def codex_session(upstream: str, store: str, turns: int, tmp: Path) -> list[dict
             (work / "notes.txt").write_text("The answer is 42.\n")
             env = {"PATH": os.environ["PATH"], "HOME": str(tmp), "CODEX_HOME": str(home), "NO_COLOR": "1",
                    "OPENAI_API_KEY": "sk-codex-session-not-a-real-key", "TMPDIR": str(tmp)}  # fmt: skip
-            invocations = 0
-            while len(read_calls(store, f"episode_id = '{episode}'")) < turns and invocations < 2 * turns:
-                prompt = PROMPTS[min(invocations, len(PROMPTS) - 1)]
-                started = time.monotonic()
-                code = _codex(home, work, env, codex, prompt, first=invocations == 0)
-                invocations += 1
-                time.sleep(1.0)  # the sidecar flushes every 0.3 s
-                n = len(read_calls(store, f"episode_id = '{episode}'"))
-                print(f"invocation {invocations} (exit {code}, {time.monotonic() - started:.0f} s): {n} calls so far")
+            invocations = _drive(store, episode, turns,
+                                 lambda prompt, first: _codex(home, work, env, codex, prompt, first))  # fmt: skip
         sidecar.stop()
     finally:
         factory.stop_all()
-    calls = wait_for(lambda: read_calls(store, f"episode_id = '{episode}'"), what="the session's records")
-    print(f"episode {episode}: {len(calls)} calls, {invocations} invocations")
-    print(f"{'seq':>3}  {'status':<8} {'prompt':>6} {'ids':>4}  {'continuation':<12} note")
-    for c in calls:
-        print(f"{c['seq']:>3}  {c['status']:<8} {c['prompt_len'] or 0:>6} {len(c['completion_token_ids'] or []):>4}  "
-              f"{c['continuation']!s:<12} {(c['note'] or '')[:110]}")  # fmt: skip
-    return calls
+    return _recorded(store, episode, invocations)
+
+
+def claude_code_session(upstream: str, store: str, turns: int, tmp: Path) -> list[dict]:
+    """Record one Claude Code conversation of at least ``turns`` calls (or as many as ``2 * turns`` invocations
+    gave): ``claude -p``, then ``claude -p --continue``; its call records, in order."""
+    claude = installed_harness("claude-code")
+    factory = SidecarFactory(tmp)
+    episode = f"claude-code-session-{int(time.time())}"
+    try:
+        sidecar = factory(upstream, store=store, episode_id=episode, extra=("--tokens-in", "auto"))
+        work = tmp / "work"
+        work.mkdir()
+        (work / "notes.txt").write_text("The answer is 42.\n")
+        env = claude_code_env(tmp, sidecar.url, CLAUDE_MAX_OUTPUT_TOKENS)
+
+        def invoke(prompt: str, first: bool) -> int:
+            command = [claude, "-p", *([] if first else ["--continue"]), prompt, "--max-turns", "2",
+                       "--dangerously-skip-permissions"]  # fmt: skip
+            return _run("claude", command, work, env)
+
+        invocations = _drive(store, episode, turns, invoke)
+        sidecar.stop()
+    finally:
+        factory.stop_all()
+    return _recorded(store, episode, invocations)
 
 
 def served_tokens_in(calls: list[dict], upstream: str) -> list[tuple[dict, bool, float | None]]:
@@ -101,9 +156,8 @@ def served_tokens_in(calls: list[dict], upstream: str) -> list[tuple[dict, bool,
         for call in (c for c in calls if c["continuation"] == "tokens_in"):
             parent = by_id[call["parent_call_id"]]
             whole, prompt = parent["prompt_token_ids"] + parent["completion_token_ids"], call["prompt_token_ids"]
-            request = json.loads(call["request_json"])
-            normalise_request(request)
-            rendered = client.post("/v1/responses/render", json={**request, "model": model, "stream": False})
+            path, request = render_request(call, model)
+            rendered = client.post(path, json=request)
             added = len(prompt) - len(whole)
             exact = (call["prefix_len"] == len(whole) and prompt[: len(whole)] == whole and added > 0
                      and prompt[len(whole) :] == rendered.json()["token_ids"][-added:])  # fmt: skip
@@ -119,7 +173,7 @@ def served_tokens_in(calls: list[dict], upstream: str) -> list[tuple[dict, bool,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("harness", choices=["codex"])
+    parser.add_argument("harness", choices=["codex", "claude-code"])
     parser.add_argument("--turns", type=int, default=6, help="record at least this many calls")
     parser.add_argument("--store", required=True, help="a new folder: the session's records are kept there")
     parser.add_argument("--upstream", default="http://127.0.0.1:18000")
@@ -128,7 +182,8 @@ def main() -> None:
     if Path(store).exists() and any(Path(store).iterdir()):
         parser.error(f"--store {store} is not empty: give a new folder (the figures are over the whole store)")
     with tempfile.TemporaryDirectory(prefix="forge-session-") as tmp:
-        calls = codex_session(args.upstream, store, args.turns, Path(tmp))
+        session = codex_session if args.harness == "codex" else claude_code_session
+        calls = session(args.upstream, store, args.turns, Path(tmp))
     for call, exact, gap in served_tokens_in(calls, args.upstream):
         shown = f"{gap:.2e}" if gap is not None else "none (no logprobs given)"
         print(f"call {call['seq']} served tokens-in: prompt = parent's prompt + completion + rendered suffix: "

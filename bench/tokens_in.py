@@ -111,6 +111,19 @@ def _causes(segments: list[dict], continuation: dict[str, str | None]) -> dict[s
     return counts
 
 
+def render_request(call: dict, model: str) -> tuple[str, dict]:
+    """The policy server's render endpoint for a recorded call and the request to render there, as the sidecar sends
+    it (a Messages request without ``thinking``, which the sidecar ignores; a Responses request normalised)."""
+    request = {**json.loads(call["request_json"]), "model": model, "stream": False}
+    if call["api"] == "messages":
+        request.pop("thinking", None)
+        return "/v1/messages/render", request
+    if call["api"] == "responses":
+        normalise_request(request)
+        return "/v1/responses/render", request
+    return "/v1/chat/completions/render", {**request, "stream_options": None}
+
+
 def forks(store: str, upstream: str) -> None:
     calls = read_calls(store)
     canonical: dict[str, list[int]] = {}
@@ -119,15 +132,7 @@ def forks(store: str, upstream: str) -> None:
         for call in calls:
             if call["continuation"] != "tokens_in":
                 continue
-            request = {k: v for k, v in json.loads(call["request_json"]).items() if k != "thinking"}
-            request.update(model=model, stream=False)
-            if call["api"] == "messages":
-                path = "/v1/messages/render"
-            elif call["api"] == "responses":
-                path = "/v1/responses/render"
-                normalise_request(request)
-            else:
-                path, request["stream_options"] = "/v1/chat/completions/render", None
+            path, request = render_request(call, model)
             canonical[call["call_id"]] = client.post(path, json=request).json()["token_ids"]
     before, after = _assembled(calls, canonical), _assembled(calls, {})
     print(f"session: {len(calls)} calls, {len(canonical)} served tokens-in")
