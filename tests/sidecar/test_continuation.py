@@ -12,6 +12,7 @@ from array import array
 import httpx
 import pytest
 
+from bench.tokens_in import render_request
 from sidecar import continuation
 from sidecar.apis import bound_completion, messages, openai
 from sidecar.apis.base import Served
@@ -271,6 +272,23 @@ def _chat(client: httpx.Client, messages_: list[dict], **extra) -> str:
     return answer.json()["choices"][0]["message"]["content"]
 
 
+def assert_continued_exactly(vllm, policy_server, tokenizer, earlier: dict, call: dict) -> None:
+    """A call recorded as served tokens-in: its prompt is the earlier call's prompt + completion, exactly, then the
+    template's rendering of what was added, where vLLM's own rendering of the request re-tokenized the same text
+    differently; its completion passes teacher forcing."""
+    whole = earlier["prompt_token_ids"] + earlier["completion_token_ids"]
+    path, request = render_request(call, policy_server.name)
+    rendered = vllm.post(path, json=request).json()["token_ids"]
+    prompt = call["prompt_token_ids"]
+    added = len(prompt) - len(whole)
+    assert prompt[: len(whole)] == whole and added > 0 and prompt[len(whole) :] == rendered[-added:]
+    assert rendered != prompt and rendered[:-added] != whole
+    assert tokenizer.decode(rendered[:-added]) == tokenizer.decode(whole)
+    assert call["parent_call_id"] == earlier["call_id"] and call["prefix_len"] == len(whole)
+    assert "served tokens-in" in call["note"]
+    assert_sampled_by_vllm(vllm, policy_server, call)
+
+
 def _episode(store: str, episode: str) -> tuple[list[dict], list[dict]]:
     from collector.report import fork_causes
     from collector.sql import connect
@@ -314,20 +332,7 @@ def test_retokenized_history_is_served_tokens_in_and_stays_one_segment(
     assert first["continuation"] is None  # nothing before it to compare with
     assert [second["continuation"], third["continuation"], edited["continuation"]] == ["tokens_in"] * 2 + ["rewrite"]
     for earlier, call in ((first, second), (second, third)):
-        whole = earlier["prompt_token_ids"] + earlier["completion_token_ids"]
-        request = json.loads(call["request_json"])
-        path = "/v1/messages/render" if call["api"] == "messages" else "/v1/chat/completions/render"
-        rendered = vllm.post(path, json={**request, "model": policy_server.name, "stream": False}).json()["token_ids"]
-        prompt = call["prompt_token_ids"]
-        added = len(prompt) - len(whole)
-        # The previous call's prompt + completion, exactly, then the template's rendering of what was added ...
-        assert prompt[: len(whole)] == whole and added > 0 and prompt[len(whole) :] == rendered[-added:]
-        # ... where vLLM's own rendering re-tokenized the same text differently.
-        assert rendered != prompt and rendered[:-added] != whole
-        assert tokenizer.decode(rendered[:-added]) == tokenizer.decode(whole)
-        assert call["parent_call_id"] == earlier["call_id"] and call["prefix_len"] == len(whole)
-        assert "served tokens-in" in call["note"]
-        assert_sampled_by_vllm(vllm, policy_server, call)
+        assert_continued_exactly(vllm, policy_server, tokenizer, earlier, call)
     segments, causes = _episode(sidecar.store, "ep-retok")
     assert [s["n_calls"] for s in segments] == [3, 1], [(s["fork_reason"], s["call_ids"]) for s in segments]
     assert [c["cause"] for c in causes] == ["rewrite"]
