@@ -129,6 +129,14 @@ def select_groups(
     aged: list[str] = []
     oldest = version - (staleness if mode == "async" else 0)
     for _, members in sorted(groups.items(), key=lambda g: min(str(e["started_at"]) for e in g[1])):
+        # A call whose weights are unknown (served by another model than the policy, or its version not known)
+        # makes its episode off-policy to an unknown degree: never trained, counted, the group goes on without it.
+        unknown = [e for e in members if e.get("n_version_unknown")]
+        if unknown and all(e["status"] != "unfinished" for e in members):
+            waiting["version_unknown"] += len(unknown)
+            members = [e for e in members if not e.get("n_version_unknown")]
+            if not members:
+                continue
         lows = [parse_version(e["policy_version_min"]) or 0 for e in members]
         highs = [parse_version(e["policy_version_max"]) or 0 for e in members]
         if min(lows) < oldest:  # an episode older than allowed: the group goes whole, never split
