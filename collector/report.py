@@ -8,26 +8,37 @@ tokens whose behaviour logprob the upstream did not give (NaN), and their share 
 Forks by cause (each segment after an episode's first, by its first call): ``retokenization`` (the sidecar found
 the prompt re-renders an earlier call's text, not its ids: the call record's ``continuation`` says so),
 ``retry`` (a prompt identical to an earlier one), ``unrelated`` (shares no prefix with any earlier call: a
-sub-agent, a side request), ``rewrite`` (shares a prefix, then the text differs: compaction, edited history,
-rewritten tool-call ids). Calls served tokens-in (``continuation = 'tokens_in'``) are counted beside them.
-Records written before the ``continuation`` column count no re-tokenization: their forks are rewrites.
+sub-agent, a side request), ``answer_dropped`` (the prompt leaves the earlier call's prompt within its last
+``GENERATION_PROMPT_TOKENS`` tokens, the generation prompt that opened the earlier call's answer: that answer is
+not in this history — mini-swe-agent drops an answer it rejects and resends only its "Format error" message),
+``rewrite`` (leaves it earlier, in the history — compaction, edited messages — or after it, inside the answer's
+own turn — an answer re-rendered or edited, rewritten tool-call ids), ``unknown`` (no earlier call to measure it
+against). Calls served tokens-in (``continuation = 'tokens_in'``) are counted beside them. Records written
+before the ``continuation`` column count no re-tokenization.
 """
 
 from pathlib import Path
 
 import duckdb
 
+# The chat templates' generation prompts ("<|im_start|>assistant\n": 3 tokens in SmolLM2's and Qwen's, 4 in
+# Llama 3's) fit in this many tokens; a history that leaves the earlier prompt inside them lacks that call's answer.
+GENERATION_PROMPT_TOKENS = 8
 FORK_CAUSES_SQL = """
 SELECT s.episode_id, s.harness, s.run_id, s.segment, s.fork_reason, s.call_ids[1] AS call_id,
        CASE WHEN s.fork_reason = 'retry' THEN 'retry'
             WHEN c.continuation IN ('retokenized', 'tokens_in') THEN 'retokenization'
             WHEN s.fork_reason = 'unrelated' THEN 'unrelated'
+            WHEN p.prompt_len IS NULL THEN 'unknown'
+            WHEN s.shared_prefix_len < p.prompt_len
+                 AND s.shared_prefix_len >= p.prompt_len - {generation_prompt} THEN 'answer_dropped'
             ELSE 'rewrite' END AS cause
 FROM segments s LEFT JOIN (SELECT call_id, {continuation} AS continuation FROM calls_raw) c
      ON c.call_id = s.call_ids[1]
+     LEFT JOIN (SELECT call_id, prompt_len FROM calls_raw) p ON p.call_id = s.fork_call_id
 WHERE s.segment > 0
 """
-CAUSES = ("retokenization", "retry", "rewrite", "unrelated")
+CAUSES = ("retokenization", "retry", "answer_dropped", "rewrite", "unrelated", "unknown")
 
 REPORT_SQL = """
 WITH causes AS ({fork_causes}),
@@ -35,8 +46,10 @@ per_episode AS (
     SELECT episode_id,
            count(*) FILTER (WHERE cause = 'retokenization') AS f_retokenization,
            count(*) FILTER (WHERE cause = 'retry') AS f_retry,
+           count(*) FILTER (WHERE cause = 'answer_dropped') AS f_answer_dropped,
            count(*) FILTER (WHERE cause = 'rewrite') AS f_rewrite,
-           count(*) FILTER (WHERE cause = 'unrelated') AS f_unrelated
+           count(*) FILTER (WHERE cause = 'unrelated') AS f_unrelated,
+           count(*) FILTER (WHERE cause = 'unknown') AS f_unknown
     FROM causes GROUP BY episode_id
 ),
 served AS (
@@ -46,7 +59,8 @@ served AS (
 ),
 episodes AS (
     SELECT e.*, coalesce(p.f_retokenization, 0) AS f_retokenization, coalesce(p.f_retry, 0) AS f_retry,
-           coalesce(p.f_rewrite, 0) AS f_rewrite, coalesce(p.f_unrelated, 0) AS f_unrelated,
+           coalesce(p.f_answer_dropped, 0) AS f_answer_dropped, coalesce(p.f_rewrite, 0) AS f_rewrite,
+           coalesce(p.f_unrelated, 0) AS f_unrelated, coalesce(p.f_unknown, 0) AS f_unknown,
            coalesce(v.n_tokens_in, 0) AS n_tokens_in, coalesce(v.n_replica_moves, 0) AS n_replica_moves
     FROM episodes e LEFT JOIN per_episode p USING (episode_id) LEFT JOIN served v USING (episode_id)
 )
@@ -68,8 +82,10 @@ SELECT CASE WHEN GROUPING(harness) = 0 THEN 'harness' ELSE 'run' END AS grouping
        sum(n_unknown_logprobs) / nullif(sum(n_trainable), 0) AS unknown_logprob_share,
        sum(f_retokenization)::BIGINT AS forks_retokenization,
        sum(f_retry)::BIGINT AS forks_retry,
+       sum(f_answer_dropped)::BIGINT AS forks_answer_dropped,
        sum(f_rewrite)::BIGINT AS forks_rewrite,
        sum(f_unrelated)::BIGINT AS forks_unrelated,
+       sum(f_unknown)::BIGINT AS forks_unknown,
        sum(n_tokens_in)::BIGINT AS calls_tokens_in,
        sum(n_replica_moves)::BIGINT AS replica_moves
 FROM episodes
@@ -90,15 +106,19 @@ def _column_or_null(con: duckdb.DuckDBPyConnection, name: str = "continuation") 
     return name if name in columns else "NULL::VARCHAR"
 
 
+def _fork_causes_sql(con: duckdb.DuckDBPyConnection) -> str:
+    return FORK_CAUSES_SQL.format(continuation=_column_or_null(con), generation_prompt=GENERATION_PROMPT_TOKENS)
+
+
 def fork_causes(con: duckdb.DuckDBPyConnection) -> list[dict]:
     """One row per fork (a segment after an episode's first): episode, harness, run, segment, reason, cause."""
-    query = FORK_CAUSES_SQL.format(continuation=_column_or_null(con)) + " ORDER BY episode_id, segment"
+    query = _fork_causes_sql(con) + " ORDER BY episode_id, segment"
     return con.execute(query).arrow().read_all().to_pylist()
 
 
 def fidelity(con: duckdb.DuckDBPyConnection) -> tuple[list[str], list[tuple]]:
     continuation = _column_or_null(con)
-    causes = FORK_CAUSES_SQL.format(continuation=continuation)
+    causes = _fork_causes_sql(con)
     moved_from = _column_or_null(con, "replica_moved_from")  # calls that moved to another replica
     query = REPORT_SQL.format(fork_causes=causes, continuation=continuation, moved_from=moved_from)
     table = con.execute(query).arrow().read_all()

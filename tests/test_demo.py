@@ -40,6 +40,8 @@ def test_a_short_demo_closes_the_loop(tmp_path: Path) -> None:
     rounds = summary["rounds"]
     assert [r["version"] for r in rounds] == [0, 1]
     assert [r["new_version"] for r in rounds] == [1, 2]
+    for r in rounds:  # forks are filed by measured cause, none under a fallback
+        assert "unknown" not in r["forks_by_cause"] and sum(r["forks_by_cause"].values()) <= r["calls"]
     for r in rounds:  # one GRPO group per task: the task id reached the records through the proxy user name
         assert r["groups"] == 2, r
         assert r["episodes"] == 4 and r["complete"] + r["failed_rollouts"] >= 4 - r["failed_rollouts"]
@@ -143,7 +145,8 @@ def test_the_summary_table_says_what_each_round_did() -> None:
     stats = RoundStats(round=1, version=0, episodes=16, complete=15, failed_rollouts=1, calls=40,
                        trainable_tokens=4000, fork_rate=0.25, reward_mean=0.2, reward_sd=0.1, groups=4,
                        zero_variance_groups=1, rollout_s=100.0, update_s=50.0, publish_s=1.5,
-                       new_version=1)  # fmt: skip
+                       new_version=1, forks_by_cause={"answer_dropped": 3, "rewrite": 1})  # fmt: skip
     lines = summary_table([stats]).splitlines()
+    assert "3 answer_dropped, 1 rewrite" in lines[2]
     assert lines[0].split()[:3] == ["round", "policy", "version"]
     assert "v0 → v1" in lines[2] and "15/16" in lines[2] and "0.200 ± 0.100" in lines[2] and "1/4" in lines[2]

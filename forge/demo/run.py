@@ -74,6 +74,7 @@ class RoundStats:
     publish_s: float = math.nan
     new_version: int | None = None  # after this round's update (None: no update)
     calls_by_version: dict[str, int] = field(default_factory=dict)
+    forks_by_cause: dict[str, int] = field(default_factory=dict)  # collector/report.py's causes
     note: str = ""
 
 
@@ -138,6 +139,16 @@ def round_stats(
     )  # fmt: skip
 
 
+def forks_by_cause(store: str, s3_endpoint: str | None, run_id: str) -> dict[str, int]:
+    """The round's forks by measured cause (``forge report``'s), from the store."""
+    from collector.report import fork_causes
+    from collector.sql import connect
+
+    con = connect(store, s3_endpoint, episodes=True, idle_seconds=0.0)
+    causes = [f["cause"] for f in fork_causes(con) if f["run_id"] == run_id]
+    return {cause: causes.count(cause) for cause in sorted(set(causes))}
+
+
 def calls_by_version(store: str, s3_endpoint: str | None, run_id: str) -> dict[str, int]:
     """How many of the round's recorded calls each policy version served (from the records, not our own count)."""
     from collector.sql import connect
@@ -149,7 +160,8 @@ def calls_by_version(store: str, s3_endpoint: str | None, run_id: str) -> dict[s
 
 TABLE_COLUMNS = [
     ("round", "round"), ("policy version", "version"), ("episodes", "episodes"), ("calls", "calls"),
-    ("trainable tokens", "trainable_tokens"), ("fork rate", "fork_rate"), ("reward mean ± sd", "reward"),
+    ("trainable tokens", "trainable_tokens"), ("fork rate", "fork_rate"), ("forks by cause", "forks_by_cause"),
+    ("reward mean ± sd", "reward"),
     ("zero-var groups", "zero_variance_groups"), ("rollout s", "rollout_s"), ("update s", "update_s"),
     ("publish s", "publish_s"),
 ]  # fmt: skip
@@ -163,6 +175,8 @@ def summary_table(rounds: list[RoundStats]) -> str:
             return f"{stats.complete}/{stats.episodes}"
         if key == "zero_variance_groups":
             return f"{stats.zero_variance_groups}/{stats.groups}"
+        if key == "forks_by_cause":
+            return ", ".join(f"{n} {cause}" for cause, n in stats.forks_by_cause.items()) or "-"
         if key == "version":
             return f"v{stats.version}" + (f" → v{stats.new_version}" if stats.new_version is not None else "")
         value = getattr(stats, key)
@@ -275,6 +289,7 @@ class Demo:
             collection = trainer.collector.update()
             stats = round_stats(number, version, run_id, collection.episodes,
                                 calls_by_version(s.store_uri, s.s3_endpoint, run_id), results, rollout_s)  # fmt: skip
+            stats.forks_by_cause = forks_by_cause(s.store_uri, s.s3_endpoint, run_id)
             for failed in (r for r in results if not r.ok):
                 self.echo(f"forge demo:   rollout {failed.rollout.episode_id} failed, no reward: "
                           f"{'; '.join(failed.reasons)}")  # fmt: skip

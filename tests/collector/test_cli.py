@@ -161,3 +161,30 @@ def test_a_run_option_reads_only_that_runs_partition(synthetic_store):
     assert [r["episode_id"] for r in as_json("episodes", *store, "--run", "run-a")] == ["compacted", "linear"]
     assert as_json("sql", *store, "--run", "run-b", "SELECT DISTINCT run_id FROM segments") == [{"run_id": "run-b"}]
     assert as_json("sql", *store, "--run", "run-b", "SELECT count(*) AS n FROM episodes") == [{"n": 2}]
+
+
+def test_forks_are_filed_by_measured_cause_and_none_under_a_fallback(tmp_path):
+    """Where a fork's prompt leaves the earlier call's tokens decides its cause: inside that call's generation
+    prompt (its answer is missing: mini-swe-agent drops an answer it rejects), in the history before it, or in the
+    answer's own turn (rewrites). None is a fallback: a fork with no earlier call to measure is `unknown`."""
+    from bench.collector_generate import SyntheticEpisode, write_calls
+    from collector.report import fork_causes
+    from collector.sql import connect
+
+    system, user, header = list(range(10, 40)), [50, 51, 52], [1, 520, 198]  # header: "<|im_start|>assistant\n"
+    first_prompt = system + user + header
+    cases = {
+        "dropped": system + user + [1, 4093, 198, 60, 61],  # "<|im_start|>user\n Format error": no answer turn
+        "history": system[:20] + [70, 71] + header,  # an earlier message edited (compaction)
+        "answer": first_prompt + [80, 81, 2, 198, 1, 4093, 198, 62],  # the answer's turn re-rendered
+    }
+    rows = []
+    for name, second_prompt in cases.items():
+        episode = SyntheticEpisode(f"ep-{name}", run_id="r")
+        episode.call(first_prompt, [90, 91, 92, 2])
+        episode.call(second_prompt, [93, 2])
+        rows += episode.rows
+    write_calls(str(tmp_path), rows, name="calls-0", run="r")
+    con = connect(str(tmp_path), episodes=True, idle_seconds=0.0)
+    causes = {f["episode_id"]: f["cause"] for f in fork_causes(con)}
+    assert causes == {"ep-dropped": "answer_dropped", "ep-history": "rewrite", "ep-answer": "rewrite"}
