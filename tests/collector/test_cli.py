@@ -175,8 +175,8 @@ def test_forks_are_filed_by_measured_cause_and_none_under_a_fallback(tmp_path):
     first_prompt = system + user + header
     cases = {
         "dropped": system + user + [1, 4093, 198, 60, 61],  # "<|im_start|>user\n Format error": no answer turn
-        "history": system[:20] + [70, 71] + header,  # an earlier message edited (compaction)
-        "answer": first_prompt + [80, 81, 2, 198, 1, 4093, 198, 62],  # the answer's turn re-rendered
+        "history": [*system[:20], 70, 71, *header],  # an earlier message edited (compaction)
+        "answer": [*first_prompt, 80, 81, 2, 198, 1, 4093, 198, 62],  # the answer's turn re-rendered
     }
     rows = []
     for name, second_prompt in cases.items():
