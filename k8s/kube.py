@@ -105,7 +105,7 @@ def job_manifest(attempt: Attempt, settings: KubernetesSettings) -> dict[str, An
                     "labels": {**labels, INJECT: "enabled"},  # the label lets the API server select the pod
                     "annotations": {
                         INJECT: "enabled",
-                        EPISODE: rollout.episode_id,
+                        EPISODE: attempt.episode_id,
                         TASK: task.id,
                         RUN: rollout.run_id,
                         VERIFIER: "verifier",

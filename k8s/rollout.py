@@ -48,6 +48,11 @@ class Attempt:
     rollout: Rollout
     number: int  # 1, 2, ...
 
+    @property
+    def episode_id(self) -> str:
+        """A retry is a new episode (the same group): an aborted attempt's calls never get the retry's reward."""
+        return self.rollout.episode_id if self.number == 1 else f"{self.rollout.episode_id}.a{self.number}"
+
 
 @dataclass(frozen=True)
 class Outcome:
@@ -61,6 +66,8 @@ class RolloutResult:
     verdict: Verdict | None = None
     attempts: int = 0
     reasons: list[str] = field(default_factory=list)  # why each failed attempt failed
+    episode_id: str | None = None  # the episode of the attempt that got the reward
+
 
     @property
     def ok(self) -> bool:
@@ -70,7 +77,7 @@ class RolloutResult:
         """One line of `forge rollout --results`."""
         rollout, verdict = self.rollout, self.verdict
         return {
-            "episode_id": rollout.episode_id, "task_id": rollout.task.id, "index": rollout.index,
+            "episode_id": self.episode_id or rollout.episode_id, "task_id": rollout.task.id, "index": rollout.index,
             "run_id": rollout.run_id, "ok": self.ok, "attempts": self.attempts, "reasons": self.reasons,
             "reward": verdict.reward if verdict else None, "components": verdict.components if verdict else None,
         }  # fmt: skip
@@ -134,7 +141,7 @@ def orchestrate(
             running -= 1
             result = results[attempt.rollout]
             if outcome.verdict is not None:
-                result.verdict = outcome.verdict
+                result.verdict, result.episode_id = outcome.verdict, attempt.episode_id
             else:
                 result.reasons.append(outcome.reason)
                 if attempt.number <= retries:
@@ -193,14 +200,15 @@ class LocalSettings:
     harness_must_succeed: bool = False
 
 
-def rollout_env(rollout: Rollout, settings: LocalSettings) -> dict[str, str]:
+def rollout_env(attempt: Attempt, settings: LocalSettings) -> dict[str, str]:
+    rollout = attempt.rollout
     env = {**settings.base_env, **rollout.task.env, **settings.trust_env}
-    env |= {"FORGE_EPISODE_ID": rollout.episode_id, "FORGE_TASK_ID": rollout.task.id, "FORGE_RUN_ID": rollout.run_id,
+    env |= {"FORGE_EPISODE_ID": attempt.episode_id, "FORGE_TASK_ID": rollout.task.id, "FORGE_RUN_ID": rollout.run_id,
             "FORGE_PROMPT": rollout.task.prompt}  # fmt: skip
     if settings.proxy_url:
         # Regular mode: the proxy user name is EPISODE;task=TASK (the sidecar asks every client for credentials).
         scheme, _, address = settings.proxy_url.partition("://")
-        proxy = f"{scheme}://{rollout.episode_id};task={rollout.task.id}:x@{address}"
+        proxy = f"{scheme}://{attempt.episode_id};task={rollout.task.id}:x@{address}"
         env |= {"HTTPS_PROXY": proxy, "HTTP_PROXY": proxy, "https_proxy": proxy, "http_proxy": proxy}
     return env
 
@@ -210,7 +218,7 @@ def run_local_rollout(attempt: Attempt, settings: LocalSettings) -> Outcome:
     rollout = attempt.rollout
     folder = settings.workdir / rollout.episode_id / f"attempt-{attempt.number}"
     folder.mkdir(parents=True, exist_ok=True)
-    env = rollout_env(rollout, settings)
+    env = rollout_env(attempt, settings)
     deadline = time.monotonic() + rollout.task.timeout_s
     try:
         with open(folder / "harness.log", "wb") as log:
@@ -233,7 +241,7 @@ def run_local_rollout(attempt: Attempt, settings: LocalSettings) -> Outcome:
         return Outcome(None, verdict.detail)
     if settings.store:
         try:
-            write_reward(settings.store, settings.s3_endpoint, rollout.run_id, rollout.episode_id, verdict)
+            write_reward(settings.store, settings.s3_endpoint, rollout.run_id, attempt.episode_id, verdict)
         except ForgeError as error:
             return Outcome(None, str(error))
     return Outcome(verdict)

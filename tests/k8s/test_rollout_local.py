@@ -128,3 +128,17 @@ def test_a_harness_that_cannot_start_is_a_failure_with_its_reason(tmp_path):
     task = Task("missing", ("/no/such/harness",), ("true",))
     (result,) = orchestrate(rollouts_for([task], 1, "r4"), LocalBackend(LocalSettings(tmp_path)), 1, retries=1)
     assert not result.ok and result.attempts == 2 and all("could not start" in r for r in result.reasons)
+
+
+def test_a_retried_rollout_is_a_new_episode_so_the_aborted_attempts_calls_never_get_its_reward(tmp_path):
+    """The first attempt's harness dies after its calls; the retry runs as episode `<id>.a2` (same task, same GRPO
+    group), and the reward goes to that episode alone."""
+    marker = tmp_path / "failed-once"
+    harness = f'echo "$FORGE_EPISODE_ID" >> {tmp_path}/seen; test -f {marker} || {{ touch {marker}; exit 3; }}'
+    task = Task("flaky", ("sh", "-c", harness), ("sh", "-c", "echo 1.0"))
+    store = tmp_path / "store"
+    settings = LocalSettings(tmp_path / "work", str(store), harness_must_succeed=True)
+    (result,) = orchestrate(rollouts_for([task], 1, "r5"), LocalBackend(settings), 1, retries=1)
+    assert result.ok and result.attempts == 2 and result.as_json()["episode_id"] == "r5.flaky.0.a2"
+    assert (tmp_path / "seen").read_text().split() == ["r5.flaky.0", "r5.flaky.0.a2"]
+    assert [(r["episode_id"], r["reward"]) for r in rows(store, "rewards")] == [("r5.flaky.0.a2", 1.0)]
