@@ -68,7 +68,6 @@ class RolloutResult:
     reasons: list[str] = field(default_factory=list)  # why each failed attempt failed
     episode_id: str | None = None  # the episode of the attempt that got the reward
 
-
     @property
     def ok(self) -> bool:
         return self.verdict is not None
