@@ -174,6 +174,7 @@ def call_through_sidecar(server, tmp_path: Path, episode: str, *extra: str) -> d
     """One chat call through a real sidecar with its defaults (a harness's model name), and its record."""
     from tests.sidecar.conftest import SidecarFactory, wait_for
 
+    (tmp_path / episode).mkdir(parents=True, exist_ok=True)
     sidecars = SidecarFactory(tmp_path / episode)
     try:
         sidecar = sidecars(server.base_url, store=str(tmp_path / episode / "calls"), episode_id=episode, extra=extra)
