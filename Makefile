@@ -36,7 +36,7 @@ typecheck: env
 # Everything: lint, types, unit and integration tests (the integration tests start real vLLM servers).
 # pytest's exit 5 (nothing collected) is a failure here, said in words.
 test: lint typecheck model harnesses system
-	@HF_HUB_OFFLINE=1 $(PY) -m pytest $(PYTEST_ARGS); code=$$?; \
+	@HF_HUB_OFFLINE=1 $(PY) -m pytest --durations=15 $(PYTEST_ARGS); code=$$?; \
 	  if [ $$code = 5 ]; then echo "make test: pytest collected no tests: that is a failure"; fi; exit $$code
 
 # Only the fast tests.

@@ -74,6 +74,7 @@ _STRIPPED = tuple(name.encode() for name in (identity.EPISODE_HEADER, identity.T
 DEFAULT_MODEL_HOSTS = "api.openai.com,api.anthropic.com"
 MAX_RECORDED_BODY = 4 << 20  # bodies bigger than this are recorded as a note, not copied
 CONTEXT_RETRY_S = 10.0  # how often calls may ask a policy server that did not say its context (max_model_len)
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p")  # what shapes the distribution a token is drawn from
 PROBE_TIMEOUT_S = 2.0  # a replica that does not accept a connection within this is taken as down
 
 
@@ -103,6 +104,7 @@ class Call:
     recorded: bool = False
     stream_failed: bool = False
     error: str | None = None
+    sampling: str | None = None  # the sampling parameters sent upstream (JSON)
     bound: apis.CompletionBound | None = None  # how the completion's length was bounded
     harness: str | None = None  # which harness made the call (sidecar.harness)
     user_agent: str | None = None
@@ -608,6 +610,7 @@ class Forge:
             return
         if call.added.upstream_path:
             flow.request.path = call.added.upstream_path
+        call.sampling = json.dumps({k: body[k] for k in SAMPLING_KEYS if k in body}, sort_keys=True)
         flow.request.content = codec.dumps(body)
 
     def _map_model(self, flow: http.HTTPFlow) -> None:
@@ -777,6 +780,7 @@ class Forge:
             "http_status": flow.response.status_code if flow.response else None,
             "finish_reason": sampled.finish_reason if sampled else None, "error": call.error,
             "max_tokens_requested": call.bound.requested if call.bound else None,
+            "sampling": call.sampling,
             "max_tokens_served": call.bound.served(len(prompt) // 4 if prompt is not None else None)
             if call.bound
             else None,

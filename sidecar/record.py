@@ -58,6 +58,11 @@ CALL_SCHEMA = pa.schema(
         # Lowered when max_tokens_served < max_tokens_requested: the harness is never refused for its bound.
         pa.field("max_tokens_requested", pa.int32()),
         pa.field("max_tokens_served", pa.int32()),
+        # The sampling parameters the policy server was asked to sample with (JSON: temperature, top_p, top_k,
+        # min_p as sent upstream; a key left out takes the server's default, 1 / 1 / -1 / 0 on `forge serve`).
+        # The recorded logprobs are vLLM's raw ones: those of temperature 1 before any truncation, the sampling
+        # distribution exactly when none of these is set otherwise.
+        pa.field("sampling", pa.string()),
         # Tokens-in continuation (sidecar.continuation): tokens_in (served from the earlier call's ids), retokenized
         # (the text extends an earlier call, the ids do not; served normally), rewrite (the text differs), or
         # null (not examined). Files written before the column have none: read as null.
@@ -133,6 +138,7 @@ class CallRecord(TypedDict, total=False):
     note: str | None
     max_tokens_requested: int | None
     max_tokens_served: int | None
+    sampling: str | None
     continuation: str | None
     parent_call_id: str | None
     prefix_len: int

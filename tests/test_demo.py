@@ -77,9 +77,12 @@ def test_a_short_demo_closes_the_loop(tmp_path: Path) -> None:
     base, checkpoints = default_checkpoint("float32"), out / "store" / "checkpoints" / "t"
     moved = metrics[0]["probe_diff_old"] > 10 * TOLERANCE["float32"]
     served = con.execute(
-        "SELECT run_id, call_id, model_served, prompt_token_ids, completion_token_ids, completion_logprobs "
+        "SELECT run_id, call_id, model_served, prompt_token_ids, completion_token_ids, completion_logprobs, sampling "
         "FROM calls WHERE status = 'ok' ORDER BY run_id, call_id"
     ).fetchall()
+    # Sampled at the temperature the trainer computes at: the raw logprobs are the sampling distribution's.
+    assert {json.loads(row[-1])["temperature"] for row in served} == {1.0}
+    served = [row[:-1] for row in served]
     gaps = []
     for run_id, call_id, model, prompt, completion, recorded in served:
         assert model == "forge-t", (call_id, model)  # the run's adapter served it, v0 too, never the base beside it

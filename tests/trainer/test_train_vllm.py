@@ -185,6 +185,7 @@ def call_through_sidecar(server, tmp_path: Path, episode: str, *extra: str) -> d
     finally:
         sidecars.stop_all()
     assert len(calls) == 1 and calls[0]["status"] == "ok"
+    assert json.loads(calls[0]["sampling"]) == {"temperature": 1.0}  # what it was sampled with, recorded
     return calls[0]
 
 
