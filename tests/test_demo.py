@@ -25,14 +25,17 @@ FORGE = str(Path(sys.executable).parent / "forge")
 
 @pytest.mark.integration
 @pytest.mark.timeout(1800)  # the demo's own bound (below); a loaded 2-core machine took over 900 s
-def test_a_short_demo_closes_the_loop(tmp_path: Path) -> None:
-    out = tmp_path / "demo"
+def test_a_short_demo_closes_the_loop(tmp_path: Path, s3_server) -> None:
+    """On moto's S3 server (calls, rewards and checkpoints go to S3; one demo run serves both stores' checks: a
+    folder store is the demo's default and every collector test's)."""
+    out, store = tmp_path / "demo", f"s3://{s3_server.bucket}/demo"
     done = subprocess.run(
         [FORGE, "demo", "--tasks", "2", "--rollouts", "2", "--rounds", "2", "--out", str(out), "--run", "t",
-         "--no-progress"],
+         "--store", store, "--s3-endpoint", s3_server.endpoint, "--no-progress"],
         capture_output=True, text=True, timeout=1800, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert not (out / "store").exists()
     printed = done.stdout
     assert "round  policy version  episodes" in printed and "rounds in" in printed
 
@@ -46,7 +49,7 @@ def test_a_short_demo_closes_the_loop(tmp_path: Path) -> None:
         assert r["groups"] == 2, r
         assert r["episodes"] == 4 and r["complete"] + r["failed_rollouts"] >= 4 - r["failed_rollouts"]
 
-    con = connect(str(out / "store"), episodes=True, idle_seconds=0.0)
+    con = connect(store, s3_server.endpoint, episodes=True, state_dir=tmp_path / "state", idle_seconds=0.0)
     calls = con.execute(
         "SELECT run_id, episode_id, task_id, host, harness, status, policy_version, len(prompt_token_ids), "
         "len(completion_token_ids) FROM calls ORDER BY run_id, episode_id, seq"
@@ -74,7 +77,13 @@ def test_a_short_demo_closes_the_loop(tmp_path: Path) -> None:
 
     # Behaviour, not labels: each call's recorded logprobs are those of the weights its record names (teacher forcing
     # under that version's checkpoint in the store), and round 2's are not v0's (when the update moved the policy).
-    base, checkpoints = default_checkpoint("float32"), out / "store" / "checkpoints" / "t"
+    import boto3
+
+    keys = [o["Key"] for o in boto3.client("s3", endpoint_url=s3_server.endpoint)
+            .list_objects_v2(Bucket=s3_server.bucket, Prefix="demo/checkpoints/t/")["Contents"]]  # fmt: skip
+    assert {f"demo/checkpoints/t/v{n}/_PUBLISHED.json" for n in (0, 1, 2)} <= set(keys), keys
+    # The trainer's local copies of what it uploaded (the S3 objects' bytes are the same files).
+    base, checkpoints = default_checkpoint("float32"), out / "trainer" / "forge-checkpoints" / "checkpoints" / "t"
     moved = metrics[0]["probe_diff_old"] > 10 * TOLERANCE["float32"]
     served = con.execute(
         "SELECT run_id, call_id, model_served, prompt_token_ids, completion_token_ids, completion_logprobs, sampling "
@@ -97,30 +106,6 @@ def test_a_short_demo_closes_the_loop(tmp_path: Path) -> None:
     assert (out / "rounds.png").stat().st_size > 10_000
     pages = list(out.glob("episode-*.html"))
     assert len(pages) == 1 and "segment" in pages[0].read_text()
-
-
-@pytest.mark.integration
-def test_the_demo_runs_on_an_s3_store(tmp_path: Path, s3_server) -> None:
-    """One round on moto's S3 server: calls, rewards and the checkpoint go to S3; the update is published."""
-    out, store = tmp_path / "demo", f"s3://{s3_server.bucket}/demo"
-    done = subprocess.run(
-        [FORGE, "demo", "--tasks", "1", "--rollouts", "2", "--rounds", "1", "--out", str(out), "--run", "s3",
-         "--store", store, "--s3-endpoint", s3_server.endpoint, "--no-progress"],
-        capture_output=True, text=True, timeout=1800, check=False,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert not (out / "store").exists()
-    con = connect(store, s3_server.endpoint, episodes=True, state_dir=tmp_path / "state", idle_seconds=0.0)
-    assert con.execute("SELECT count(DISTINCT episode_id) FROM calls").fetchone() == (2,)
-    rewards = con.execute("SELECT count(*) FROM rewards").fetchone()
-    assert rewards is not None and rewards[0] >= 1
-    import boto3
-
-    keys = [o["Key"] for o in boto3.client("s3", endpoint_url=s3_server.endpoint)
-            .list_objects_v2(Bucket=s3_server.bucket, Prefix="demo/checkpoints/s3/")["Contents"]]  # fmt: skip
-    assert any("/v1/" in key for key in keys), keys
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["rounds"][0]["new_version"] == 1
 
 
 def test_every_shipped_task_has_a_verifier_that_gives_partial_credit(tmp_path: Path) -> None:
