@@ -47,12 +47,18 @@ def test_a_good_file_gives_its_tasks_with_string_commands_run_by_sh(tmp_path):
         ('{"id": "a", "command": "x", "verifier": "true"}', "tasks.jsonl:2: task id 'a' appears twice"),
         ('["a"]', "tasks.jsonl:2: a task is a JSON object"),
         ('{"id": "b", "command": "x", "verifier": "true", "harness": 3}', "tasks.jsonl:2: harness must be a string"),
-        ('{"id": "b", "command": "x", "verifier": "true", "success_threshold": "high"}',
-         "tasks.jsonl:2: success_threshold 'high' must be a finite number"),
-        ('{"id": "b", "command": "x", "verifier": "true", "success_threshold": true}',
-         "tasks.jsonl:2: success_threshold True must be a finite number"),
-        ('{"id": "b", "command": "x", "verifier": "true", "success_threshold": NaN}',
-         "tasks.jsonl:2: success_threshold nan must be a finite number"),
+        (
+            '{"id": "b", "command": "x", "verifier": "true", "success_threshold": "high"}',
+            "tasks.jsonl:2: success_threshold 'high' must be a finite number",
+        ),
+        (
+            '{"id": "b", "command": "x", "verifier": "true", "success_threshold": true}',
+            "tasks.jsonl:2: success_threshold True must be a finite number",
+        ),
+        (
+            '{"id": "b", "command": "x", "verifier": "true", "success_threshold": NaN}',
+            "tasks.jsonl:2: success_threshold nan must be a finite number",
+        ),
     ],
 )
 def test_a_bad_line_is_named(tmp_path, line, message):

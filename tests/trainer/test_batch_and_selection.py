@@ -14,9 +14,7 @@ from trainer.batch import episode_advantages, padded, rows_from_segments
 from trainer.loop import NothingReady, Trainer, TrainSettings, TrainState, select_groups, update_inputs
 
 
-def store_of(
-    path: Path, episodes: list[tuple[str, str, str, float]], nan_last: bool = False, run: str = "r"
-) -> Path:
+def store_of(path: Path, episodes: list[tuple[str, str, str, float]], nan_last: bool = False, run: str = "r") -> Path:
     """(episode id, task id, policy version, reward): two calls each, the second extending the first."""
     rows = []
     for n, (episode_id, task, version, _) in enumerate(episodes):
