@@ -30,7 +30,7 @@ from k8s.tasks import Task, load_tasks
 # Per episode of the run: its latest episode reward (the `rewards` view, so an episode whose harness made no call
 # still counts) and, where calls were recorded, the collector's status and call count.
 READ_BACK_SQL = """
-WITH r AS (SELECT episode_id, arg_max(reward, at) AS reward FROM rewards WHERE call_id IS NULL GROUP BY episode_id)
+WITH r AS (SELECT episode_id, arg_max(reward, "at") AS reward FROM rewards WHERE call_id IS NULL GROUP BY episode_id)
 SELECT coalesce(r.episode_id, e.episode_id), r.reward, e.status, coalesce(e.n_calls, 0)
 FROM r FULL OUTER JOIN episodes e ON e.episode_id = r.episode_id
 """
