@@ -122,7 +122,7 @@ def render(comparison: Comparison) -> str:
         "",
         f"p Welch: {WELCH}, on per-sample rewards.",
         f"p Fisher: {FISHER}, on success counts.",
-        "Δ = B − A; \"all\" pools the samples of the tasks both files hold (its pass@k: the mean of the tasks').",
+        "Δ = B − A; all: the samples of the tasks both files hold, pooled (its pass@k: the tasks' mean).",
     ]
     notes = {f"{r.name}: {t.note}" for r in [*c.rows, c.overall] for t in (r.welch, r.fisher) if t.note}
     lines += [f"n/a {note}" for note in sorted(notes)]
