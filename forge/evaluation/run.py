@@ -13,6 +13,7 @@ from the rollouts' return values: eval.json says what the store holds.
 
 import contextlib
 import inspect
+import json
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -124,8 +125,6 @@ def checkpoint_kind(folder: Path) -> str:
 
 def published_version(folder: Path) -> int | None:
     """The version a trainer published this checkpoint as (its _PUBLISHED.json), if it says."""
-    import json
-
     with contextlib.suppress(OSError, ValueError, TypeError, AttributeError):
         version = json.loads((folder / "_PUBLISHED.json").read_text()).get("version")
         return int(version) if version is not None else None
@@ -134,8 +133,6 @@ def published_version(folder: Path) -> int | None:
 
 def lora_base(adapter: Path) -> Path:
     """The adapter's base checkpoint: the folder its config names when it is one here, else the embedded default."""
-    import json
-
     from trainer.serve import default_checkpoint
 
     with contextlib.suppress(OSError, ValueError, TypeError, AttributeError):
@@ -145,24 +142,34 @@ def lora_base(adapter: Path) -> Path:
     return default_checkpoint()
 
 
+def served_folder(checkpoint: Path | None) -> tuple[str, Path]:
+    """(kind, the folder vLLM loads): "base" (no checkpoint: the embedded default), "full" (itself) or "lora" (the
+    adapter's base)."""
+    from trainer.serve import default_checkpoint
+
+    if checkpoint is None:
+        return "base", default_checkpoint()
+    kind = checkpoint_kind(checkpoint)
+    return kind, checkpoint if kind == "full" else lora_base(checkpoint)
+
+
 @contextlib.contextmanager
 def serve_policy(settings: EvalSettings, echo: Callable[[str], None]) -> Iterator[Policy]:
     """The policy the rollouts run on: --policy-url as is; else a policy server started on --checkpoint (a LoRA
     adapter on its base), or on the embedded base model, and stopped at the end."""
     from trainer.publish import PolicyClient
-    from trainer.serve import PolicyServer, default_checkpoint, free_port
+    from trainer.serve import PolicyServer, free_port
 
     if settings.policy_url:
         url = settings.policy_url.rstrip("/").removesuffix("/v1")
         yield Policy(url, settings.policy_model, {"url": url})
         return
     checkpoint = settings.checkpoint.absolute() if settings.checkpoint else None
-    kind = checkpoint_kind(checkpoint) if checkpoint else "full"
-    model = checkpoint if checkpoint and kind == "full" else (lora_base(checkpoint) if checkpoint else None)
+    kind, model = served_folder(checkpoint)
     adapter = (settings.policy_model or "forge-eval") if kind == "lora" else None
     server = PolicyServer(
-        model=model or default_checkpoint(), port=free_port(), run_dir=settings.out / "policy-server",
-        served_model_name=settings.policy_model if kind == "full" else None,
+        model=model, port=free_port(), run_dir=settings.out / "policy-server",
+        served_model_name=None if adapter else settings.policy_model,
     )  # fmt: skip
     echo(f"forge eval: starting the policy server (vLLM) on {server.model}"
          + (f" with the adapter {checkpoint}" if adapter else "") + " ...")  # fmt: skip
