@@ -88,6 +88,7 @@ class Handler(BaseHTTPRequestHandler):
             self.send_json(200, {"object": "list", "data": [model]})
         elif self.path.startswith("/weight_info"):
             self.server.weight_questions += 1  # type: ignore[attr-defined]
+            time.sleep(self.server.weight_delay_s)  # type: ignore[attr-defined]  # vLLM: after the engine step
             self.send_json(200, {"weight_version": self.server.weight_version})  # type: ignore[attr-defined]
         else:
             self.send_json(200, {"path": self.path, "upstream": "fake"})
@@ -165,8 +166,9 @@ class Server(ThreadingHTTPServer):
 
 
 class FakeUpstream:
-    def __init__(self, port: int = 0) -> None:
+    def __init__(self, port: int = 0, weight_delay_s: float = 0.0) -> None:
         self.server = Server(("127.0.0.1", port), Handler)
+        self.server.weight_delay_s = weight_delay_s  # type: ignore[attr-defined]
         self.server.daemon_threads = True
         self.server.requests = []  # type: ignore[attr-defined]
         self.server.weight_version = "fake-1"  # type: ignore[attr-defined]

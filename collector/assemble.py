@@ -327,6 +327,7 @@ def _assemble(calls: pa.Table, rewards: pa.Table | None, episode_order: pa.Array
             "n_calls_without_ids": counts["without_ids"], "n_truncated": counts["truncated"],
             "n_call_errors": counts["errors"], "n_tokens": n_tokens, "n_trainable": n_trainable_episode,
             "n_unknown_logprobs": n_unknown_episode,
+            "n_version_unknown": sum(1 for r in rows if statuses[r] == "ok" and not row_versions[r]),
             "policy_version_min": version_min, "policy_version_max": versions[-1] if versions else None,
             "mixed_versions": len(versions) > 1, "started_at": _min(started[r] for r in rows),
             "finished_at": _max(finished[r] for r in rows),

@@ -25,7 +25,7 @@ learns from them (``trainer.loop.select_groups`` leaves them out and counts them
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 2  # 2: n_unknown_logprobs
+SCHEMA_VERSION = 3  # 2: n_unknown_logprobs; 3: n_version_unknown
 
 EPISODE_STATUSES = ("complete", "error", "unfinished", "no_reward")
 
@@ -106,6 +106,9 @@ EPISODE_SCHEMA = pa.schema(
         pa.field("n_tokens", pa.int64(), nullable=False),  # sum of the segments' lengths
         pa.field("n_trainable", pa.int64(), nullable=False),
         pa.field("n_unknown_logprobs", pa.int64(), nullable=False),  # the segments' sum
+        # Sampled (ok) calls whose weights' version is unknown (served by another model than the policy, or the
+        # version question failed: the record's note says why). The trainer never counts them as on-policy.
+        pa.field("n_version_unknown", pa.int32(), nullable=False),
         pa.field("policy_version_min", pa.string()),
         pa.field("policy_version_max", pa.string()),
         pa.field("mixed_versions", pa.bool_(), nullable=False),

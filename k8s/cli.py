@@ -114,6 +114,10 @@ def certs_command(out: Path, service: str, namespace: str, force: bool) -> None:
 @click.option("--results", type=click.Path(path_type=Path, dir_okay=False), help="Write one JSON line per rollout.")
 @click.option("--progress/--no-progress", default=None, help="[default: when stderr is a terminal]")
 @click.option("--upstream", default="http://127.0.0.1:8000", show_default=True, help="local: the policy server.")
+@click.option(
+    "--policy-model",
+    help="local: the policy's served name, as `forge train` prints it [default: the one the server announces].",
+)
 @click.option("--store", default="./forge-data", show_default=True, help="local: where calls and rewards go.")
 @click.option("--s3-endpoint", help="local: S3-compatible endpoint of the store.")
 @click.option(
@@ -134,7 +138,8 @@ def certs_command(out: Path, service: str, namespace: str, force: bool) -> None:
 @click.option("--context", help="k8s: kubeconfig context.")
 def rollout_command(
     tasks_file: Path, backend: str, group_size: int, concurrency: int, retries: int, run_id: str | None,
-    results: Path | None, progress: bool | None, upstream: str, store: str, s3_endpoint: str | None,
+    results: Path | None, progress: bool | None, upstream: str, policy_model: str | None, store: str,
+    s3_endpoint: str | None,
     workdir: Path, no_sidecar: bool, namespace: str, image: str, verifier_image: str, ttl: int, queue: str,
     keep_jobs: bool, kubeconfig: str | None, context: str | None,
 ) -> None:  # fmt: skip
@@ -166,7 +171,7 @@ def rollout_command(
         else:
             done = lib.run_local(
                 tasks, group_size, run, workdir, store, None if no_sidecar else upstream, concurrency, retries,
-                s3_endpoint, record, show,
+                s3_endpoint, record, show, policy_model=policy_model,
             )  # fmt: skip
     finally:
         if out:

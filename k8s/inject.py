@@ -242,6 +242,8 @@ def sidecar_container(settings: InjectorSettings) -> dict[str, Any]:
     ]  # fmt: skip
     if settings.s3_endpoint:
         args += ["--s3-endpoint", settings.s3_endpoint]
+    if settings.policy_model:  # else the sidecar serves the policy the server announces
+        args += ["--policy-model", settings.policy_model]
     # The admin endpoint listens on loopback only (the kubelet's HTTP probes come from outside the pod), so the
     # probes run a check inside the container.
     probe = {"exec": {"command": ["forge", "sidecar-ready", "--port", str(settings.admin_port)]}}

@@ -275,7 +275,10 @@ POD_IDENTITY = ("POD_UID", "POD_NAME", "POD_NAMESPACE", "FORGE_EPISODE_ID", "FOR
 class LocalSidecar:
     """One `forge sidecar --mode regular` for every local rollout (each proxy user name is an episode id)."""
 
-    def __init__(self, upstream: str, store: str, run_id: str, folder: Path, s3_endpoint: str | None = None) -> None:
+    def __init__(
+        self, upstream: str, store: str, run_id: str, folder: Path, s3_endpoint: str | None = None,
+        policy_model: str | None = None,
+    ) -> None:  # fmt: skip
         from sidecar import ca
 
         self.folder = folder
@@ -289,6 +292,8 @@ class LocalSidecar:
         ]  # fmt: skip
         if s3_endpoint:
             self.command += ["--s3-endpoint", s3_endpoint]
+        if policy_model:
+            self.command += ["--policy-model", policy_model]
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -337,7 +342,7 @@ def run_local(
     tasks: list[Task], group_size: int, run_id: str, workdir: Path, store: str, upstream: str | None,
     concurrency: int = 4, retries: int = 2, s3_endpoint: str | None = None,
     on_result: Callable[[RolloutResult], None] | None = None, progress: bool = False,
-    harness_must_succeed: bool = False,
+    harness_must_succeed: bool = False, policy_model: str | None = None,
 ) -> list[RolloutResult]:  # fmt: skip
     """The local backend whole: G rollouts of each task as processes behind one sidecar (none when `upstream` is
     None: rewards only), rewards into `store`. What `forge rollout --backend local` and `forge demo` run."""
@@ -348,7 +353,7 @@ def run_local(
         return orchestrate(rollouts, backend, concurrency, retries, on_result, progress)
     from sidecar.ca import CaFiles
 
-    with LocalSidecar(upstream, store, run_id, folder / "sidecar", s3_endpoint) as sidecar:
+    with LocalSidecar(upstream, store, run_id, folder / "sidecar", s3_endpoint, policy_model) as sidecar:
         trust = CaFiles(folder / "sidecar" / "ca").trust_env()
         backend = LocalBackend(
             LocalSettings(folder, store, s3_endpoint, sidecar.url, trust, harness_must_succeed=harness_must_succeed)

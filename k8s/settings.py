@@ -50,6 +50,9 @@ class InjectorSettings:
     proxy_port: int = 15001
     admin_port: int = 15002
     upstream: str = "dns+http://openforge-policy-replicas.openforge-system.svc:8000"  # every replica
+    # The policy's served name, as `forge train` prints it (a LoRA run: forge-<run>); "": the one the server
+    # announces (its only LoRA adapter, else its base model).
+    policy_model: str = ""
     store: str = "s3://openforge/forge-data"
     s3_endpoint: str = ""
     model_hosts: str = "api.openai.com,api.anthropic.com"

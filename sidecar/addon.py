@@ -65,7 +65,7 @@ from sidecar.replicas import Replica, ReplicaSet, Route, UpstreamError, parse_up
 from sidecar.request_delta import RequestDelta, RequestIndex
 from sidecar.sse import EventFramer
 from sidecar.store import open_store
-from sidecar.version import VersionClock
+from sidecar.version import Asked, VersionClock
 from sidecar.writer import RecordWriter, now_us, pack_floats, pack_ids
 
 log = logging.getLogger("openforge.sidecar")
@@ -94,6 +94,7 @@ class Call:
     request_json: str | None = None
     secrets: list[str] = field(default_factory=list)
     policy_version: str | None = None  # the server's weight version just before the call was sent
+    policy_model: str | None = None  # the policy's served name when the call was sent: its version is the policy's
     module: WireApi | None = None  # the wire API's module in sidecar.apis
     added: Served | None = None  # its Additions
     stream: StreamState | None = None  # a streamed answer's state
@@ -109,6 +110,17 @@ class Call:
     replica: Replica | None = None  # the policy replica it was sent to (sidecar/replicas.py)
     moved_from: str | None = None  # the replica that served the episode's previous call, when it moved
     moved_why: str | None = None
+    version_why: str | None = None  # why the record's version is unknown, for its note
+
+
+def announced_policy(listed: list[dict[str, Any]], current: str | None) -> str:
+    """The policy a server announces in its model list: its only LoRA adapter (vLLM lists an adapter with its base as
+    ``parent``), else its base model. An adapter once chosen stays while none or several are listed (a publish
+    reloads it; another run's adapter may sit beside it): a LoRA run's calls never fall back to the base."""
+    adapters = [m["id"] for m in listed if m.get("parent")]
+    if len(adapters) == 1:
+        return str(adapters[0])
+    return current if current is not None else str(listed[0]["id"])
 
 
 def moved_note(call: Call, note: str | None) -> str | None:
@@ -160,7 +172,8 @@ class Forge:
         add("forge_episode_id", str, "", "Episode id of every call (else proxy user, header, or environment).")
         add("forge_task_id", str, "", "Task id of every call.")
         add("forge_run_id", str, "", "Run id of every call.")
-        add("forge_policy_model", str, "", "Served model name (default: the upstream's first model).")
+        add("forge_policy_model", str, "", "Served name of the policy under training (default: the one the "
+            "server announces: its only LoRA adapter, else its base model).")  # fmt: skip
         add("forge_model_map", str, "*", "Comma-separated PATTERN[=MODEL]: requested names served by MODEL.")
         add("forge_policy_version", str, "", "Fixed policy version (default: polled from /weight_info).")
         add("forge_model_hosts", str, DEFAULT_MODEL_HOSTS, "Comma-separated hosts whose model paths are taken.")
@@ -256,11 +269,14 @@ class Forge:
 
     # -- the policy replicas --------------------------------------------------------------------------------
     def _ask_models(self, replica: Replica) -> None:
-        """The served model's name (unless given) and a replica's context, from its model list."""
+        """The policy's served name (unless given) and a replica's context, from its model list."""
         with urllib.request.urlopen(f"{replica.url}/v1/models", timeout=2) as answer:
             listed = json.load(answer)["data"]
         if not ctx.options.forge_policy_model:
-            self.policy_model = listed[0]["id"]
+            announced = announced_policy(listed, self.policy_model)
+            if announced != self.policy_model:
+                log.warning("the policy is served as %r (announced by %s)", announced, replica.url)
+            self.policy_model = announced
         served = next((m for m in listed if m.get("id") == self.policy_model), listed[0])
         context = served.get("max_model_len")
         if isinstance(context, int) and not isinstance(context, bool) and context > 0:
@@ -326,7 +342,7 @@ class Forge:
             self.continuations[replica.url] = Continuations(self.tokens_in_mode, replica.url)
         return self.continuations[replica.url]
 
-    async def _choose(self, episode: str) -> tuple[Route, str | None]:
+    async def _choose(self, episode: str) -> tuple[Route, Asked]:
         """The replica for an episode's call, and the policy version it serves now. A replica whose version
         question finds it refusing connections is marked down at once and the next one tried."""
         tried: list[str] = []
@@ -340,7 +356,7 @@ class Forge:
                 self.context_asked[replica.url] = time.monotonic()
                 await self._learn_context(replica)
             if self.policy_version:
-                return route, self.policy_version
+                return route, Asked(self.policy_version)
             clock = self._clock(replica)
             version = await clock.before()
             if not clock.refused or replica.url in tried or len(self.replicas.all()) < 2:
@@ -390,10 +406,10 @@ class Forge:
             if api in apis.RECORDED:
                 headers = identity.header_map(flow.request.headers)  # read once: lookups cost per call
                 who = self._identity(flow, headers)
-                route, version = await self._choose(who[0])
+                route, asked = await self._choose(who[0])
                 self._begin(flow, api, who, route, headers)
                 call: Call = flow.metadata["forge_call"]
-                call.policy_version = version
+                call.policy_version, call.version_why = asked
                 assert call.replica is not None
                 await self._continuations(call.replica).prepare(flow, call, self.prefixes.sequences(call.episode_id))
             else:  # served by the policy, not a sampled call: routed, never recorded
@@ -453,7 +469,7 @@ class Forge:
             route = self.replicas.route(moved.episode_id, exclude=tried)
             moved.replica, moved.moved_from, moved.moved_why = replica, route.moved_from, route.why
             if not self.policy_version:
-                moved.policy_version = await self._clock(replica).before()
+                moved.policy_version, moved.version_why = await self._clock(replica).before()
 
     def _connected(self, flow: http.HTTPFlow) -> None:
         """The flow no longer waits for a connection to its replica."""
@@ -582,6 +598,7 @@ class Forge:
         served = self._served_model(call.model_requested)
         if served:
             body["model"] = served
+        call.policy_model = self.policy_model
         call.bound = apis.bound_completion(api, body, ctx.options.forge_max_completion_tokens, route.replica.context)
         call.module = apis.module_for(api)
         try:
@@ -733,6 +750,15 @@ class Forge:
                 self.prefixes.remember(call.episode_id, call.call_id, prompt + completion)
         if response_json is None and call.stream is not None:
             response_json = redacted_json(call.stream.summary(), call.secrets)
+        version, version_end = call.policy_version, self.policy_version or None
+        served_by = sampled.model if sampled else None
+        if served_by is not None and served_by != call.policy_model:  # the server-wide version is not its version
+            version = version_end = None
+            self.metrics.inc("calls_not_served_by_policy_total")
+            call.version_why = f"served by {served_by!r}, not the policy {call.policy_model!r}"
+        unknown = f"version unknown: {call.version_why}" if version is None and call.version_why else None
+        if unknown and status == "ok":
+            self.metrics.inc("calls_version_unknown_total")
         user_agent = call.user_agent
         request = (
             self.requests.split(call.episode_id, call.request_json)
@@ -745,7 +771,7 @@ class Forge:
             "host": call.host, "path": call.path,  # as the harness called them, before routing
             "model_requested": call.model_requested, "model_served": sampled.model if sampled else None,
             "response_id": sampled.response_id if sampled else None,
-            "policy_version": call.policy_version, "policy_version_end": self.policy_version or None,
+            "policy_version": version, "policy_version_end": version_end,
             "started_at": call.started_at,
             "first_token_at": call.first_token_at, "finished_at": now_us(), "status": status,
             "http_status": flow.response.status_code if flow.response else None,
@@ -754,7 +780,8 @@ class Forge:
             "max_tokens_served": call.bound.served(len(prompt) // 4 if prompt is not None else None)
             if call.bound
             else None,
-            "note": note_of(call.continuation, moved_note(call, sampled.note if sampled else None)),
+            "note": note_of(call.continuation, moved_note(call, "; ".join(
+                filter(None, [sampled.note if sampled else None, unknown])) or None)),
             "continuation": call.continuation.state if call.continuation else None,
             "parent_call_id": parent, "prefix_len": prefix_len,
             "prompt_suffix_ids": prompt[prefix_len * 4 :] if prompt is not None else None,
@@ -773,7 +800,7 @@ class Forge:
         }  # fmt: skip
         # The version as the call ends is asked off the event loop (vLLM answers between engine steps): the row
         # is logged now and held in the WAL until the answer completes it (at most writer.HOLD_S).
-        probe = call.policy_version is not None and not self.policy_version and call.replica is not None
+        probe = version is not None and not self.policy_version and call.replica is not None
         row_id = self.writer.append("calls", checked_row("calls", row), hold=probe)
         if row_id is not None:
             if call.moved_from is not None:

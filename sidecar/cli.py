@@ -100,7 +100,10 @@ def upstream_trust(confdir: Path, extra_cas: tuple[Path, ...]) -> dict[str, str]
 @click.option("--trust-episode-header", is_flag=True,
               help="In a pod (POD_UID/FORGE_EPISODE_ID set), let X-Forge-Episode-Id/X-Forge-Task-Id or the proxy "
                    "user name choose a call's episode; by default the pod's identity wins.")  # fmt: skip
-@click.option("--model-map", default="*", show_default=True, help="PATTERN[=MODEL],...: names served by MODEL.")
+@click.option("--policy-model", help="Served name of the policy under training, as `forge train` prints it "
+              "[default: the one the server announces: its only LoRA adapter, else its base model].")  # fmt: skip
+@click.option("--model-map", default="*", show_default=True,
+              help="PATTERN[=MODEL],...: requested names served by MODEL [default MODEL: the policy].")  # fmt: skip
 @click.option(
     "--model-hosts",
     default="api.openai.com,api.anthropic.com",
@@ -139,7 +142,8 @@ def sidecar_command(
     mode: str, listen_host: str | None, listen_port: int, upstream: tuple[str, ...], health_seconds: float, store: str,
     s3_endpoint: str | None, wal_dir: Path | None, episode_id: str | None, task_id: str | None,
     run_id: str | None, admin_port: int,
-    reward_token_file: Path | None, trust_episode_header: bool, model_map: str, model_hosts: str,
+    reward_token_file: Path | None, trust_episode_header: bool, policy_model: str | None, model_map: str,
+    model_hosts: str,
     policy_version: str | None, flush_seconds: float, flush_rows: int, max_wal_bytes: int, fsync: str,
     drain_seconds: float, tokens_in: str, max_completion_tokens: int, ca_dir: Path | None,
     upstream_ca: tuple[Path, ...], print_command: bool,
@@ -182,6 +186,7 @@ def sidecar_command(
     args = mitmdump_command(
         mode, listen_host, listen_port, upstreams, store, wal, confdir, episode_id,
         {"task_id": task_id, "run_id": run_id, "admin_port": admin_port or None, "model_map": model_map,
+         "policy_model": policy_model,
          "reward_token_file": reward_token_file, "trust_episode_header": "true" if trust_episode_header else None,
          "model_hosts": model_hosts, "policy_version": policy_version, "s3_endpoint": s3_endpoint,
          "flush_seconds": flush_seconds, "flush_rows": flush_rows, "max_wal_bytes": max_wal_bytes,

@@ -13,6 +13,14 @@ vLLM's OpenAI endpoints do not say which weights served a request, so each call 
 - after: one worker thread asks for every call answered before its question began, then completes their WAL rows.
   It waits ``AFTER_WAIT_S`` after a call ends so the calls ending meanwhile share one question (one client's
   consecutive calls, many clients): a publish in that instant marks them as straddling it (conservative).
+
+A slow answer is not a failure. vLLM 0.32 answers ``/weight_info`` from its engine core, between two engine steps
+(``get_weight_version`` is a utility call into the engine's busy loop), so the answer waits for the step under way.
+On a freshly started server the first steps (cold kernels, several harnesses' prompts prefilled together on 2 shared
+cores) took over 10 s: the question gave up and the call was recorded with no version (the demo's first round,
+issue 25). The call itself would have waited for that same step boundary to be scheduled, so waiting for the
+answer costs it at most one step: only connecting is bounded tightly; the answer may take ``ANSWER_TIMEOUT_S``.
+A version that stays unknown comes with the reason (``Asked.why``), which the record's note gives.
 """
 
 import asyncio
@@ -22,16 +30,21 @@ import threading
 import time
 from collections.abc import Callable
 from http.client import HTTPConnection, HTTPException, HTTPSConnection
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import ParseResult
 
 log = logging.getLogger("openforge.sidecar")
-# How long one question may take. A loaded policy server (its API loop busy with other requests' prefill and
-# detokenization, 2 shared cores) took over 2 s to answer the first calls of `forge demo`, whose records then said
-# "version unknown"; the call would have waited that long for the server anyway.
-TIMEOUT_S = 10.0
+CONNECT_TIMEOUT_S = 10.0  # a server that does not accept a connection within this is taken as unreachable
+ANSWER_TIMEOUT_S = 600.0  # an answer waits for the engine step under way (see above); a harness's call waits as long
 FRESH_S = 0.05  # an answer to a question sent at most this long ago stands for a call's version before it is sent
 AFTER_WAIT_S = 0.02  # the question after a call waits this long for other calls to end and share it
+
+
+class Asked(NamedTuple):
+    """The answer to a version question: the version, or None and why it is unknown."""
+
+    version: str | None
+    why: str | None = None
 
 
 def version_text(answer: Any) -> str | None:
@@ -44,7 +57,7 @@ class VersionClock:
         self.upstream = upstream
         self.port = upstream.port or (443 if upstream.scheme == "https" else 80)
         self.complete = complete  # (WAL row id, version after the call) -> None
-        self.in_flight: asyncio.Future[str | None] | None = None
+        self.in_flight: asyncio.Future[Asked] | None = None
         self.refused = False  # the last question found the server refusing connections (it is down)
         self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
         self.waiting: list[int] = []
@@ -63,16 +76,17 @@ class VersionClock:
             if self.known is None or asked_at >= self.known[0]:
                 self.known = (asked_at, version)
 
-    async def before(self) -> str | None:
-        """The server's version now (None: unknown): a fresh answer, else a question in flight or a new one."""
+    async def before(self) -> Asked:
+        """The server's version now (or why it is unknown): a fresh answer, else a question in flight or a new one."""
         known = self.known
         if known is not None and time.monotonic() - known[0] <= FRESH_S:
-            return known[1]
+            return Asked(known[1])
         if self.in_flight is None or self.in_flight.done():
             self.in_flight = asyncio.ensure_future(self._ask())
         return await asyncio.shield(self.in_flight)
 
-    async def _ask(self) -> str | None:
+    async def _ask(self) -> Asked:
+        why = "not asked"
         for attempt in range(2):  # a kept-alive connection the server closed meanwhile: once more on a new one
             # Only the first attempt takes a kept-alive connection: the server closes idle ones (uvicorn after
             # 5 s), and a second stale one would leave the call's version unknown.
@@ -83,24 +97,28 @@ class VersionClock:
                     try:
                         connection = await asyncio.wait_for(
                             asyncio.open_connection(self.upstream.hostname, self.port,
-                                                    ssl=self.upstream.scheme == "https" or None), TIMEOUT_S,
+                                                    ssl=self.upstream.scheme == "https" or None), CONNECT_TIMEOUT_S,
                         )  # fmt: skip
                     except ConnectionRefusedError:
                         self.refused = True
-                        return None
+                        return Asked(None, "the policy server refused the version question's connection")
                 self.refused = False
-                version = await asyncio.wait_for(self._exchange(*connection), TIMEOUT_S)
+                version, status = await asyncio.wait_for(self._exchange(*connection), ANSWER_TIMEOUT_S)
                 self.idle.append(connection)
                 self._learn(asked_at, version)
-                return version
-            except (OSError, TimeoutError, ValueError, asyncio.IncompleteReadError) as error:
+                if version is None:
+                    return Asked(None, f"GET /weight_info answered HTTP {status} with no weight_version")
+                return Asked(version)
+            except (OSError, TimeoutError, ValueError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as error:
                 if connection is not None:
                     connection[1].close()
+                waited = time.monotonic() - asked_at
+                why = f"the version question failed after {waited:.1f} s ({type(error).__name__}: {error})"
                 if attempt == 1 or isinstance(error, TimeoutError):  # a server that did not answer: once is enough
-                    return None
-        return None
+                    return Asked(None, why)
+        return Asked(None, why)
 
-    async def _exchange(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> str | None:
+    async def _exchange(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> tuple[str | None, str]:
         writer.write(f"GET /weight_info HTTP/1.1\r\nHost: {self.upstream.netloc}\r\n\r\n".encode())
         head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
         headers = dict(line.split(":", 1) for line in head[1:] if ":" in line)
@@ -108,7 +126,8 @@ class VersionClock:
         if length < 0:
             raise ValueError("no content-length")
         body = await reader.readexactly(length)
-        return version_text(json.loads(body)) if " 200 " in f"{head[0]} " else None
+        status = [*head[0].split(" "), "?", "?"][1]
+        return (version_text(json.loads(body)) if status == "200" else None), status
 
     # -- after: in a worker thread ------------------------------------------------------------------------------
     def after(self, row_id: int) -> None:
@@ -135,7 +154,7 @@ class VersionClock:
                 try:
                     if connection is None:
                         kind = HTTPSConnection if self.upstream.scheme == "https" else HTTPConnection
-                        connection = kind(self.upstream.hostname or "127.0.0.1", self.port, timeout=TIMEOUT_S)
+                        connection = kind(self.upstream.hostname or "127.0.0.1", self.port, timeout=ANSWER_TIMEOUT_S)
                     connection.request("GET", "/weight_info")
                     answer = connection.getresponse()
                     data = answer.read()
@@ -155,4 +174,4 @@ class VersionClock:
         with self.lock:
             self.stopped = True
             self.lock.notify()
-        self.thread.join(TIMEOUT_S * 2)
+        self.thread.join(CONNECT_TIMEOUT_S * 2)

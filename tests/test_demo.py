@@ -16,7 +16,9 @@ from collector.sql import connect
 from forge.demo.run import TASKS_FILE, summary_table
 from forge.demo.verify import CHECKS, verdict
 from k8s.tasks import load_tasks
+from tests.support import teacher
 from trainer.publish import TOLERANCE
+from trainer.serve import default_checkpoint
 
 FORGE = str(Path(sys.executable).parent / "forge")
 
@@ -67,6 +69,26 @@ def test_a_short_demo_closes_the_loop(tmp_path: Path) -> None:
     for m in metrics:  # each update landed: the server's probe logprobs are the new weights'
         assert m["probe_diff"] <= TOLERANCE["float32"]
         assert m["episodes"] >= 3
+
+    # Behaviour, not labels: each call's recorded logprobs are those of the weights its record names (teacher forcing
+    # under that version's checkpoint in the store), and round 2's are not v0's (when the update moved the policy).
+    base, checkpoints = default_checkpoint("float32"), out / "store" / "checkpoints" / "t"
+    moved = metrics[0]["probe_diff_old"] > 10 * TOLERANCE["float32"]
+    served = con.execute(
+        "SELECT run_id, call_id, model_served, prompt_token_ids, completion_token_ids, completion_logprobs "
+        "FROM calls WHERE status = 'ok' ORDER BY run_id, call_id"
+    ).fetchall()
+    gaps = []
+    for run_id, call_id, model, prompt, completion, recorded in served:
+        assert model == "forge-t", (call_id, model)  # the run's adapter served it, v0 too, never the base beside it
+        version = 1 if run_id == "t-r2" else 0
+        gap = teacher.mean_abs_gap(recorded, teacher.logprobs(checkpoints / f"v{version}", base, prompt, completion))
+        assert gap <= TOLERANCE["float32"], (call_id, version, gap)
+        if version and moved:
+            old = teacher.mean_abs_gap(recorded, teacher.logprobs(checkpoints / "v0", base, prompt, completion))
+            assert old > 10 * gap and old > TOLERANCE["float32"], (call_id, gap, old)
+            gaps.append((gap, old))
+    print(f"round 2 teacher forcing (mean |recorded - forced| under v1, under v0): {gaps}")
     assert (out / "rounds.png").stat().st_size > 10_000
     pages = list(out.glob("episode-*.html"))
     assert len(pages) == 1 and "segment" in pages[0].read_text()

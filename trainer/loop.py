@@ -135,6 +135,14 @@ def select_groups(
     aged: list[str] = []
     oldest = version - (staleness if mode == "async" else 0)
     for _, members in sorted(groups.items(), key=lambda g: min(str(e["started_at"]) for e in g[1])):
+        # A call whose weights are unknown (served by another model than the policy, or its version not known)
+        # makes its episode off-policy to an unknown degree: never trained, counted, the group goes on without it.
+        unknown = [e for e in members if e.get("n_version_unknown")]
+        if unknown and all(e["status"] != "unfinished" for e in members):
+            waiting["version_unknown"] += len(unknown)
+            members = [e for e in members if not e.get("n_version_unknown")]
+            if not members:
+                continue
         lows = [parse_version(e["policy_version_min"]) or 0 for e in members]
         highs = [parse_version(e["policy_version_max"]) or 0 for e in members]
         if min(lows) < oldest:  # an episode older than allowed: the group goes whole, never split
@@ -201,6 +209,9 @@ class Trainer:
                 f"run {settings.run!r} already has state in {self.state_dir}: pass --resume or another --run"
             )
         self.adapter_name = f"forge-{settings.run}"
+        # The served name of the policy under training: what every sampled call must be served by (the sidecars'
+        # --policy-model). LoRA: the run's adapter, from v0 on; full weights: the server's own model.
+        self.policy_name = self.adapter_name if settings.lora_rank else self.served_model
         self._engine: Any = None
         self._verify_v0 = False
         self.last_verify_split: dict[str, float] = {}
@@ -241,16 +252,25 @@ class Trainer:
                           f"{self.settings.run}")  # fmt: skip
 
             # v0 is the base checkpoint: loaded whatever the server served before, verified with the first batch.
+            # With LoRA, v0 is also the engine's fresh adapter (B = 0: the base's outputs), written and loaded under
+            # the policy's name, so every version of the run, v0 too, is served under one name.
+            adapter = self._write(0) if self.settings.lora_rank else None
+
             def load_base() -> None:  # with LoRA too: the adapter's base is the base checkpoint, whatever was served
-                if self.settings.lora_rank:
-                    self.client.unload_adapter(self.adapter_name)
                 self.client.load_full(self.model_dir)
+                if adapter is not None:
+                    self.client.load_adapter(self.adapter_name, adapter)
 
             self._switch(load_base, 0)
-            self._verify_v0 = True
+            if self._engine is not None:  # built for the adapter: verify now, else with the first batch
+                self.verify(0, str(adapter))
+            else:
+                self._verify_v0 = True
         elif served != str(self.state.version):
             self.echo(f"forge train: resuming at v{self.state.version}; the server had {served}: re-publishing")
             self.publish(self.state.version)
+        self.echo(f"forge train: the policy is served as {self.policy_name!r} by {self.client.base_url} (give the "
+                  f"sidecars --policy-model {self.policy_name})")  # fmt: skip
 
     # ---- one round -------------------------------------------------------------------------------------------
     def run(self) -> None:
@@ -342,8 +362,7 @@ class Trainer:
         """Write, then switch the server (paused) and probe it while the trainer probes the new weights."""
         seconds: dict[str, float] = {}
         started = time.perf_counter()
-        path = write_checkpoint(self.store, self.settings.run, version, self.engine.save_weights, self.model_dir,
-                                self.state_dir)  # fmt: skip
+        path = self._write(version)
         seconds["write"] = time.perf_counter() - started
         with ThreadPoolExecutor(1, thread_name_prefix="forge-probe") as pool:
             trainer_probe = pool.submit(self._timed_probe)  # the engine computes while the server loads
@@ -359,6 +378,10 @@ class Trainer:
         result.seconds = seconds
         return result
 
+    def _write(self, version: int) -> Path:
+        return write_checkpoint(self.store, self.settings.run, version, self.engine.save_weights, self.model_dir,
+                                self.state_dir)  # fmt: skip
+
     def _switch(self, load: Callable[[], None], version: int) -> None:
         """Paused, so nothing is computed between the load and the version: a call whose tokens meet the new weights
         ends after the version changed, and the sidecar records it as spanning both."""
@@ -372,9 +395,8 @@ class Trainer:
 
     def verify(self, version: int, path: str, trainer_probe: Future | None = None) -> PublishResult:
         """The server's probe logprobs equal the trainer's under the new weights (and not the old ones)."""
-        model = self.adapter_name if self.settings.lora_rank and version > 0 else self.served_model
         started = time.perf_counter()
-        served = self.client.probe_logprobs(model, PROBE_IDS, PROBE_TOKEN, PROBE_STEPS)
+        served = self.client.probe_logprobs(self.policy_name, PROBE_IDS, PROBE_TOKEN, PROBE_STEPS)
         server_s = time.perf_counter() - started
         new, trainer_s = trainer_probe.result() if trainer_probe is not None else self._timed_probe()
         old = self.probe_logprobs or new

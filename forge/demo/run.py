@@ -275,6 +275,7 @@ class Demo:
             results = run_local(
                 tasks, s.rollouts, run_id, s.out / "rollouts", s.store_uri, policy_url, concurrency=s.concurrency,
                 retries=0, s3_endpoint=s.s3_endpoint, progress=s.progress, harness_must_succeed=True,
+                policy_model=trainer.policy_name,
             )  # fmt: skip
             rollout_s = time.monotonic() - t0
             collection = trainer.collector.update()

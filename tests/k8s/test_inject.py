@@ -282,3 +282,19 @@ def test_render_prints_the_injected_workload_and_refuses_in_one_line(tmp_path):
     refused = subprocess.run([FORGE, "inject", "render", "-f", str(path)], capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1
     assert "document 1: shareProcessNamespace" in refused.stderr
+
+
+def test_the_policys_name_reaches_the_sidecar_when_the_settings_give_it():
+    """A LoRA run's policy is served as forge-<run>: the injector's `policy_model` becomes the sidecar's
+    --policy-model (empty: the sidecar serves what the policy server announces)."""
+    request = (GOLDEN / "namespace-enabled.request.json").read_bytes()
+
+    def sidecar_args(settings: InjectorSettings) -> list[str]:
+        response = inject.review(request, "enabled", settings)["response"]
+        pod = jsonpatch.apply_patch(json.loads(request)["request"]["object"],
+                                    json.loads(base64.b64decode(response["patch"])))  # fmt: skip
+        return next(c for c in pod["spec"]["initContainers"] if c["name"] == inject.SIDECAR)["args"]
+
+    named = sidecar_args(InjectorSettings(policy_model="forge-run7"))
+    assert named[named.index("--policy-model") + 1] == "forge-run7"
+    assert "--policy-model" not in sidecar_args(InjectorSettings())

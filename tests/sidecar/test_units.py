@@ -349,11 +349,11 @@ def test_a_fresh_version_answer_serves_the_next_call_and_a_stale_one_is_asked_ag
 
             async def scenario() -> list[str | None]:
                 monkeypatch.setattr(version, "FRESH_S", 60.0)
-                seen = [await clock.before(), await clock.before()]  # the second is served by the first's answer
+                seen = [(await clock.before()).version, (await clock.before()).version]  # the second: the first's
                 asked = upstream.weight_questions
                 upstream.weight_version = "fake-2"  # a publish
                 monkeypatch.setattr(version, "FRESH_S", 0.0)
-                seen.append(await clock.before())  # stale: asked again, the publish shows
+                seen.append((await clock.before()).version)  # stale: asked again, the publish shows
                 return [*seen, str(asked)]
 
             assert asyncio.run(scenario()) == ["fake-1", "fake-1", "fake-2", "1"]
@@ -387,11 +387,39 @@ def test_kept_alive_version_connections_the_server_closed_never_leave_a_version_
                     closer.accept()[0].close()
                     clock.idle.append(stale)
                 await asyncio.sleep(0.05)
-                return await clock.before()
+                return (await clock.before()).version
 
             assert asyncio.run(scenario()) == "fake-1"
         finally:
             clock.stop()
+
+
+def test_a_version_answer_that_waits_for_a_long_engine_step_is_still_the_calls_version():
+    """The cause of the demo's round-1 calls without a version (issue 25): vLLM answers /weight_info between engine
+    steps, and a freshly started server's first steps took over 10 s; the question gave up at 10 s. A slow answer
+    is the version all the same (the call waits for that step boundary anyway); a refused one says why."""
+    import asyncio
+    import socket
+    from urllib.parse import urlparse
+
+    from bench.fake_upstream import FakeUpstream
+    from sidecar import version
+
+    with FakeUpstream(weight_delay_s=11.0) as upstream:  # one long engine step: longer than the old 10 s bound
+        clock = version.VersionClock(urlparse(upstream.url), lambda row, v: None)
+        try:
+            assert asyncio.run(clock.before()) == ("fake-1", None)
+        finally:
+            clock.stop()
+    with socket.socket() as unused:  # a port nobody listens on
+        unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]
+    clock = version.VersionClock(urlparse(f"http://127.0.0.1:{port}"), lambda row, v: None)
+    try:
+        asked = asyncio.run(clock.before())
+        assert asked.version is None and "refused" in (asked.why or "")
+    finally:
+        clock.stop()
 
 
 def test_after_a_crash_the_count_goes_on_from_the_records_whether_flushed_or_still_in_the_wal(tmp_path):

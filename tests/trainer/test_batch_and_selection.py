@@ -148,3 +148,25 @@ def test_a_trainer_never_selects_an_evaluations_episodes(tmp_path):
     trainer.state = TrainState(trained=chosen)  # once trained, only the evaluation's remain: nothing to train on
     with pytest.raises(NothingReady, match="4 for evaluation"):
         trainer.wait_for_episodes(every_ready=True)
+
+
+def test_an_episode_whose_weights_are_unknown_is_never_trained_and_says_why(tmp_path):
+    """A call served by another model than the policy (the base during a LoRA run) or whose version question
+    failed is recorded with no version: its episode is not on-policy for any version, so it is left out (counted
+    as version_unknown) while the rest of its group trains."""
+    rows = []
+    for n, (episode_id, version) in enumerate([("known-1", "0"), ("known-2", "0"), ("unknown", None)]):
+        episode = SyntheticEpisode(episode_id, task_id="t", run_id="r")
+        prompt = list(range(100 + n, 110 + n))
+        episode.call(prompt, [2000 + n, 2001])
+        rows += episode.rows
+        if version is None:
+            rows[-1]["policy_version"] = None
+    write_calls(str(tmp_path), rows, name="calls-0", run="r")
+    write_rewards(str(tmp_path), [{"episode_id": e, "reward": r} for e, r in
+                                  [("known-1", 1.0), ("known-2", 0.0), ("unknown", 1.0)]], run="r")  # fmt: skip
+    episodes = collected(tmp_path).episodes
+    counts = dict(zip(episodes["episode_id"].to_pylist(), episodes["n_version_unknown"].to_pylist(), strict=True))
+    assert counts == {"known-1": 0, "known-2": 0, "unknown": 1}
+    chosen, aged, waiting = select_groups(episodes, 0, "sync", 0, set(), 10)
+    assert sorted(chosen) == ["known-1", "known-2"] and not aged and waiting["version_unknown"] == 1

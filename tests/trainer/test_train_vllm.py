@@ -22,6 +22,7 @@ import torch
 
 from collector.collect import Collector, trainable
 from forge.errors import ForgeError
+from tests.support import teacher
 from tests.trainer.recording import Sample, record, sample
 from trainer.batch import padded, rows_from_segments
 from trainer.publish import PolicyClient, PublishError
@@ -169,8 +170,39 @@ def server_logprobs(http: httpx.Client, model: str, s: Sample) -> float:
     return sum(values) / len(values)
 
 
+def call_through_sidecar(server, tmp_path: Path, episode: str, *extra: str) -> dict:
+    """One chat call through a real sidecar with its defaults (a harness's model name), and its record."""
+    from tests.sidecar.conftest import SidecarFactory, wait_for
+
+    sidecars = SidecarFactory(tmp_path / episode)
+    try:
+        sidecar = sidecars(server.base_url, store=str(tmp_path / episode / "calls"), episode_id=episode, extra=extra)
+        httpx.post(f"{sidecar.url}/v1/chat/completions", timeout=300,
+                   json={"model": "gpt-x", "messages": QUESTION, "max_tokens": 24,
+                         "temperature": 1.0}).raise_for_status()  # fmt: skip
+        calls = wait_for(lambda: stored_calls(sidecar.store), timeout=60, what="the call's record")
+    finally:
+        sidecars.stop_all()
+    assert len(calls) == 1 and calls[0]["status"] == "ok"
+    return calls[0]
+
+
+def assert_sampled_by(call: dict, checkpoint: Path, previous: Path) -> None:
+    """Behaviour, not the label: the recorded logprobs are the checkpoint's (teacher forcing, fp32 bound) and clearly
+    not the previous version's."""
+    base = default_checkpoint("float32")
+    prompt, completion = list(call["prompt_token_ids"]), list(call["completion_token_ids"])
+    recorded = list(call["completion_logprobs"])
+    gap = teacher.mean_abs_gap(recorded, teacher.logprobs(checkpoint, base, prompt, completion))
+    old = teacher.mean_abs_gap(recorded, teacher.logprobs(previous, base, prompt, completion))
+    print(
+        f"teacher forcing {call['call_id']}: |recorded − {checkpoint.name}| {gap:.2e}, |recorded − previous| {old:.2e}"
+    )
+    assert gap <= 2e-4 and old > 10 * gap and old > 2e-4
+
+
 def test_a_step_raises_the_rewarded_kind_and_the_published_server_moves_the_same_way(
-    trainer, first_round, server, http, prompt, store
+    trainer, first_round, server, http, prompt, store, tmp_path
 ):  # fmt: skip
     before = [server_logprobs(http, server.name, s) for s in first_round]
     metrics = trainer.step()
@@ -187,8 +219,11 @@ def test_a_step_raises_the_rewarded_kind_and_the_published_server_moves_the_same
     assert numbers and all(math.isfinite(v) for v in numbers)
     assert (store / "checkpoints" / "t" / "v1" / "model.safetensors").is_file()
     assert not list((store / "checkpoints" / "t").glob(".*"))  # no staging folder left behind
-    # The next call records the new version (what the sidecar reads from /weight_info).
-    assert sample(http, server.name, prompt, 4, seed=99).version == "1"
+    # What the harness is served next: a call through the sidecar (its defaults) is sampled by v1's weights and
+    # recorded as v1, shown by teacher forcing its recorded tokens under v1's checkpoint and under v0's.
+    call = call_through_sidecar(server, tmp_path, "after-full")
+    assert (call["policy_version"], call["policy_version_end"]) == ("1", "1")
+    assert_sampled_by(call, store / "checkpoints" / "t" / "v1", previous=default_checkpoint("float32"))
 
 
 def test_a_second_sync_round_trains_only_episodes_of_the_new_version(trainer, server, http, prompt, store):
@@ -381,7 +416,6 @@ def test_a_call_in_flight_across_a_publish_is_frozen_then_recorded_with_both_ver
 
 # ---- LoRA: an adapter learned, published (unload + load), verified, served; KL to the base -------------------------
 def test_a_lora_step_publishes_a_verified_adapter_that_the_sidecar_records(trainer, server, http, prompt, tmp_path):
-    from tests.sidecar.conftest import SidecarFactory, wait_for
     from trainer.loop import Trainer, TrainSettings
 
     trainer.close()  # the full-weight engine's memory back before the LoRA one loads
@@ -391,9 +425,8 @@ def test_a_lora_step_publishes_a_verified_adapter_that_the_sidecar_records(train
     lora = Trainer(TrainSettings(store=str(store), policy_url=server.base_url, run="lora", steps=1,
                                  episodes_per_step=4, wait_timeout=60, poll_seconds=0.5, lora_rank=8, lr=1e-4,
                                  kl_coef=0.1))  # fmt: skip
-    sidecars = SidecarFactory(tmp_path)
     try:
-        samples = [sample(http, server.name, prompt, 16, seed=60 + i) for i in range(4)]
+        samples = [sample(http, lora.policy_name, prompt, 16, seed=60 + i) for i in range(4)]
         assert {s.version for s in samples} == {"0"}  # claimed: the base weights (reloaded), version 0
         record(str(store), samples, REWARDS, task_id="lora")
         metrics = lora.step()
@@ -412,14 +445,17 @@ def test_a_lora_step_publishes_a_verified_adapter_that_the_sidecar_records(train
         moved = (policy - reference)[known].abs().mean().item()
         print(f"reference vs v0 behaviour {ref_gap:.2e}; policy vs reference {moved:.2e}")
         assert ref_gap < FP32_AGREEMENT and moved > 1e-4
-        # The next call through the sidecar is served by the adapter and recorded as version 1.
-        sidecar = sidecars(server.base_url, store=str(tmp_path / "calls"), episode_id="after-lora",
-                           extra=("--model-map", f"*={lora.adapter_name}"))  # fmt: skip
-        httpx.post(f"{sidecar.url}/v1/chat/completions", timeout=300,
-                   json={"model": "gpt-x", "messages": QUESTION, "max_tokens": 4}).raise_for_status()  # fmt: skip
-        calls = wait_for(lambda: stored_calls(sidecar.store), timeout=60, what="the call's record")
-        assert (calls[0]["policy_version"], calls[0]["policy_version_end"]) == ("1", "1")
-        assert calls[0]["model_served"] == lora.adapter_name and calls[0]["status"] == "ok"
+        # What the harness is served next, through a sidecar with its defaults (the policy the server announces) and
+        # through one told the policy's name: the adapter's v1, shown by teacher forcing (v1's and v0's checkpoints).
+        checkpoints = store / "checkpoints" / "lora"
+        for episode, extra in (("announced", ()), ("named", ("--policy-model", lora.policy_name))):
+            call = call_through_sidecar(server, tmp_path, episode, *extra)
+            assert (call["policy_version"], call["policy_version_end"]) == ("1", "1")
+            assert call["model_served"] == lora.policy_name == lora.adapter_name
+            assert_sampled_by(call, checkpoints / "v1", previous=checkpoints / "v0")
+        # A call served by another model than the policy (the base beside the adapter) says so, with no version.
+        base_call = call_through_sidecar(server, tmp_path, "base", "--model-map", f"*={server.name}")
+        assert base_call["policy_version"] is None and base_call["policy_version_end"] is None
+        assert "not the policy" in (base_call["note"] or "")
     finally:
-        sidecars.stop_all()
         lora.close()
