@@ -12,7 +12,6 @@ from the rollouts' return values: eval.json says what the store holds.
 """
 
 import contextlib
-import inspect
 import json
 import time
 from collections.abc import Callable, Iterator
@@ -82,25 +81,15 @@ def parse_ks(text: str) -> list[int]:
     return ks
 
 
-def run_local_takes_policy_model() -> bool:
-    """Whether this checkout's `run_local` can tell its sidecar the policy's served name (`policy_model`)."""
-    return "policy_model" in inspect.signature(run_local).parameters
-
-
 def run_rollouts(
     tasks: list[Task], settings: EvalSettings, run_id: str, policy_url: str, policy_model: str | None
 ) -> list[RolloutResult]:
-    """`k8s.rollout.run_local`, given the policy's served name only when there is one to give (and it takes one)."""
-    named: dict[str, Any] = {}
-    if policy_model is not None:
-        if not run_local_takes_policy_model():
-            raise ForgeError("this checkout's sidecar cannot be told the policy's served name (--policy-model, or a "
-                             "LoRA --checkpoint): serve the policy as the server's only model instead")  # fmt: skip
-        named["policy_model"] = policy_model
+    """`k8s.rollout.run_local` on the policy: its sidecar sends every call to ``policy_model`` (None: the server's
+    first model)."""
     return run_local(
         tasks, settings.samples, run_id, settings.out / "rollouts", settings.store_uri, policy_url,
         concurrency=settings.concurrency, retries=settings.retries, s3_endpoint=settings.s3_endpoint,
-        progress=settings.progress, harness_must_succeed=False, **named,
+        progress=settings.progress, harness_must_succeed=False, policy_model=policy_model,
     )  # fmt: skip
 
 
@@ -239,13 +228,7 @@ def check_settings(settings: EvalSettings, tasks: list[Task]) -> None:
     if settings.policy_url and settings.checkpoint:
         raise ForgeError("give --policy-url (a running server) or --checkpoint (served here), not both")
     if settings.checkpoint:
-        kind = checkpoint_kind(settings.checkpoint)
-        if kind == "lora" and not run_local_takes_policy_model():
-            raise ForgeError("a LoRA --checkpoint needs the sidecar to route calls to the adapter by name, which "
-                             "this checkout's run_local cannot yet: merge the adapter into an HF folder")  # fmt: skip
-    if settings.policy_url and settings.policy_model and not run_local_takes_policy_model():
-        raise ForgeError("--policy-model: this checkout's sidecar cannot be told the policy's served name; leave it "
-                         "out (the sidecar then sends every call to the server's first model)")  # fmt: skip
+        checkpoint_kind(settings.checkpoint)  # a folder that is neither kind: refused before anything starts
 
 
 def evaluate(settings: EvalSettings, echo: Callable[[str], None] = print) -> dict[str, Any]:
