@@ -17,6 +17,10 @@ within the idle window of the store's newest call), ``no_reward`` (no reward and
 
 Group id (for GRPO): the episodes of one task in one round, ``<run_id>/<task_id>/v<policy_version_min>`` (the
 policy version an episode started on is its round); an episode without a task id is its own group.
+
+Evaluation episodes: a run id that starts with ``eval-`` (``EVALUATION_RUN_PREFIX``; `forge eval` names its runs so)
+marks an evaluation's episodes. They are collected like any other (``run_id`` in ``episodes``), and no trainer ever
+learns from them (``trainer.loop.select_groups`` leaves them out and counts them).
 """
 
 import pyarrow as pa
@@ -30,6 +34,14 @@ EPISODE_STATUSES = ("complete", "error", "unfinished", "no_reward")
 # follows: compaction, rewritten history, tool-call id rewrites, a parallel call on the same history),
 # "unrelated" (shares no recorded prefix: a sub-agent with its own context).
 FORK_REASONS = ("start", "retry", "diverged", "unrelated")
+
+EVALUATION_RUN_PREFIX = "eval-"
+
+
+def is_evaluation(run_id: str | None) -> bool:
+    """Whether an episode of this run id belongs to an evaluation (never trained on)."""
+    return run_id is not None and run_id.startswith(EVALUATION_RUN_PREFIX)
+
 
 _ids = pa.list_(pa.int32())
 

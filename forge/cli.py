@@ -17,6 +17,7 @@ PARTS: list[tuple[str, str]] = [
     ("Training (trainer/)", "trainer.train_cli"),
     ("Kubernetes (k8s/)", "k8s.cli"),
     ("The whole loop (forge/demo/)", "forge.demo.cli"),
+    ("Evaluation, no training (forge/evaluation/)", "forge.evaluation.cli"),
 ]
 
 

@@ -17,9 +17,12 @@
 - `harness` (optional): the harness's name in the records (`claude-code`, `codex`, `my-agent`, ...). On Kubernetes
   it becomes the pod's `openforge.io/harness` annotation, which the sidecar reads (downward API) and which beats
   every other sign; without it the sidecar tells the harness from the calls (sidecar/harness.py).
+- `success_threshold` (optional, default 1.0): a rollout succeeded when its reward is at least this (`forge eval`'s
+  pass@k and pass^k count successes; a verifier with partial credit sets what counts as solved).
 """
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +31,10 @@ from typing import Any
 from forge.errors import ForgeError
 
 TASK_ID = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9_.-]{0,38}[A-Za-z0-9])?$")
-FIELDS = {"id", "command", "verifier", "prompt", "image", "verifier_image", "timeout_s", "env", "harness"}
+FIELDS = {
+    "id", "command", "verifier", "prompt", "image", "verifier_image", "timeout_s", "env", "harness",
+    "success_threshold",
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -42,6 +48,7 @@ class Task:
     timeout_s: float = 600.0
     env: dict[str, str] = field(default_factory=dict, hash=False)  # rollouts are keyed by task: id and argv hash
     harness: str = ""  # the harness's name for the records (Kubernetes: the pod's openforge.io/harness annotation)
+    success_threshold: float = 1.0  # reward ≥ this: the rollout solved the task (forge eval)
 
 
 def _argv(value: Any, name: str) -> tuple[str, ...]:
@@ -67,6 +74,11 @@ def parse_task(data: Any) -> Task:
     timeout = data.get("timeout_s", 600)
     if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
         raise ValueError("timeout_s must be a positive number")
+    threshold = data.get("success_threshold", 1.0)
+    if isinstance(threshold, bool) or not isinstance(threshold, int | float) or not math.isfinite(threshold):
+        raise ValueError(
+            f"success_threshold {threshold!r} must be a finite number (a rollout succeeds when its reward ≥ it)"
+        )
     env = data.get("env") or {}
     if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
         raise ValueError("env must map names to strings")
@@ -74,6 +86,7 @@ def parse_task(data: Any) -> Task:
         id=task_id, command=_argv(data.get("command"), "command"), verifier=_argv(data.get("verifier"), "verifier"),
         prompt=data.get("prompt", ""), image=data.get("image", ""), verifier_image=data.get("verifier_image", ""),
         timeout_s=float(timeout), env=dict(env), harness=data.get("harness", "").strip(),
+        success_threshold=float(threshold),
     )  # fmt: skip
 
 

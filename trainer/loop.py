@@ -1,7 +1,8 @@
 """`forge train`'s loop: wait for episodes, compute advantages, update with veRL, publish and verify, commit.
 
 One round, top to bottom (``Trainer.step``):
-  1. episodes — complete episodes from the collector, whole GRPO groups, never one trained before:
+  1. episodes — complete episodes from the collector, whole GRPO groups, never one trained before and never an
+     evaluation's (`forge eval`, run id `eval-…`):
      sync: every episode of the group served by exactly the current version v;
      async (near-on-policy): served by versions ≥ v − k; a group with an older episode is skipped whole (counted).
   2. rows + advantages — one row per segment (``trainer.batch``); veRL's estimator by name over episodes.
@@ -38,6 +39,7 @@ import torch
 from tqdm import tqdm
 
 from collector.collect import Collector, trainable
+from collector.episode import is_evaluation
 from forge.errors import ForgeError
 from forge.paths import cache_dir
 from sidecar.store import open_store
@@ -118,11 +120,15 @@ def default_state_dir(settings: TrainSettings) -> Path:
 def select_groups(
     episodes: pa.Table, version: int, mode: str, staleness: int, exclude: set[str], wanted: int
 ) -> tuple[list[str], list[str], Counter]:
-    """Episode ids to train on (whole groups, oldest first) and those of groups that aged out; why others wait."""
+    """Episode ids to train on (whole groups, oldest first) and those of groups that aged out; why others wait.
+    An evaluation's episodes (`forge eval`) are never chosen: counted as ``for_evaluation``."""
     waiting: Counter = Counter()
     groups: dict[str, list[dict]] = {}
     for ep in episodes.to_pylist():
         if ep["episode_id"] in exclude:
+            continue
+        if is_evaluation(ep["run_id"]):
+            waiting["for_evaluation"] += 1
             continue
         groups.setdefault(ep["group_id"], []).append(ep)
     chosen: list[str] = []

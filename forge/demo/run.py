@@ -82,17 +82,23 @@ def demo_tasks(settings: DemoSettings, mini: Path) -> list[Task]:
     tasks = load_tasks(settings.tasks_file)
     if not 1 <= settings.tasks <= len(tasks):
         raise ForgeError(f"--tasks must be between 1 and {len(tasks)} (the tasks in {settings.tasks_file})")
+    return with_harness_env(tasks[: settings.tasks], mini, settings.out, settings.harness_env)
+
+
+def with_harness_env(tasks: list[Task], mini: Path | None, out: Path, extra: dict[str, str]) -> list[Task]:
+    """The tasks with what the demo's task format reads from its environment (`forge demo` and `forge eval`):
+    $FORGE_DEMO_MINI (mini-swe-agent's `mini`; unset when None), $FORGE_DEMO_DIR, $FORGE_DEMO_PYTHON."""
     env = {
-        "FORGE_DEMO_MINI": str(mini), "FORGE_DEMO_DIR": str(TASKS_DIR), "FORGE_DEMO_PYTHON": sys.executable,
+        "FORGE_DEMO_DIR": str(TASKS_DIR), "FORGE_DEMO_PYTHON": sys.executable,
         # mini-swe-agent as a user runs it: no setup wizard, its config and its logs beside the run, a key it
         # sends to "OpenAI" (the sidecar redacts it; the policy server needs none).
         "MSWEA_CONFIGURED": "true", "MSWEA_COST_TRACKING": "ignore_errors", "LITELLM_LOCAL_MODEL_COST_MAP": "True",
-        "MSWEA_GLOBAL_CONFIG_DIR": str(settings.out / "mini-swe-agent"), "MSWEA_SILENT_STARTUP": "1",
+        "MSWEA_GLOBAL_CONFIG_DIR": str(out / "mini-swe-agent"), "MSWEA_SILENT_STARTUP": "1",
         "OPENAI_API_KEY": os.environ.get("OPENAI_API_KEY", "sk-openforge-demo"),
         "PYTHONPATH": os.pathsep.join(filter(None, [str(TASKS_DIR.parents[2]), os.environ.get("PYTHONPATH")])),
-        **settings.harness_env,
+        **({"FORGE_DEMO_MINI": str(mini)} if mini is not None else {}), **extra,
     }  # fmt: skip
-    return [dataclasses.replace(task, env={**task.env, **env}) for task in tasks[: settings.tasks]]
+    return [dataclasses.replace(task, env={**task.env, **env}) for task in tasks]
 
 
 def find_harness(explicit: Path | None) -> Path:

@@ -26,13 +26,14 @@ def test_a_good_file_gives_its_tasks_with_string_commands_run_by_sh(tmp_path):
         "",
         '{"id": "add-2-3", "prompt": "2+3?", "command": "python agent.py", "verifier": ["test", "-f", "a.txt"]}',
         '{"id": "b", "command": ["true"], "verifier": "true", "timeout_s": 5, "env": {"K": "V"}, "image": "x:1",'
-        ' "harness": "codex"}',
+        ' "harness": "codex", "success_threshold": 0.5}',
     )
     first, second = load_tasks(path)
     assert first.id == "add-2-3" and first.command == ("sh", "-c", "python agent.py") and first.prompt == "2+3?"
     assert first.verifier == ("test", "-f", "a.txt") and first.timeout_s == 600
     assert second.env == {"K": "V"} and second.image == "x:1" and second.timeout_s == 5
     assert first.harness == "" and second.harness == "codex"
+    assert first.success_threshold == 1.0 and second.success_threshold == 0.5
 
 
 @pytest.mark.parametrize(
@@ -46,6 +47,18 @@ def test_a_good_file_gives_its_tasks_with_string_commands_run_by_sh(tmp_path):
         ('{"id": "a", "command": "x", "verifier": "true"}', "tasks.jsonl:2: task id 'a' appears twice"),
         ('["a"]', "tasks.jsonl:2: a task is a JSON object"),
         ('{"id": "b", "command": "x", "verifier": "true", "harness": 3}', "tasks.jsonl:2: harness must be a string"),
+        (
+            '{"id": "b", "command": "x", "verifier": "true", "success_threshold": "high"}',
+            "tasks.jsonl:2: success_threshold 'high' must be a finite number",
+        ),
+        (
+            '{"id": "b", "command": "x", "verifier": "true", "success_threshold": true}',
+            "tasks.jsonl:2: success_threshold True must be a finite number",
+        ),
+        (
+            '{"id": "b", "command": "x", "verifier": "true", "success_threshold": NaN}',
+            "tasks.jsonl:2: success_threshold nan must be a finite number",
+        ),
     ],
 )
 def test_a_bad_line_is_named(tmp_path, line, message):

@@ -11,14 +11,14 @@ from bench.collector_generate import SyntheticEpisode, write_calls, write_reward
 from collector.collect import Collector, trainable
 from forge.errors import ForgeError
 from trainer.batch import episode_advantages, padded, rows_from_segments
-from trainer.loop import select_groups, update_inputs
+from trainer.loop import NothingReady, Trainer, TrainSettings, TrainState, select_groups, update_inputs
 
 
-def store_of(path: Path, episodes: list[tuple[str, str, str, float]], nan_last: bool = False) -> Path:
+def store_of(path: Path, episodes: list[tuple[str, str, str, float]], nan_last: bool = False, run: str = "r") -> Path:
     """(episode id, task id, policy version, reward): two calls each, the second extending the first."""
     rows = []
     for n, (episode_id, task, version, _) in enumerate(episodes):
-        episode = SyntheticEpisode(episode_id, task_id=task, run_id="r", policy_version=version)
+        episode = SyntheticEpisode(episode_id, task_id=task, run_id=run, policy_version=version)
         prompt = list(range(100 + n, 110 + n))
         first = list(range(2000 + 10 * n, 2004 + 10 * n))
         episode.call(prompt, first)
@@ -26,8 +26,8 @@ def store_of(path: Path, episodes: list[tuple[str, str, str, float]], nan_last: 
         logprobs = [-0.5, -0.25, math.nan if nan_last else -0.125]
         episode.call(prompt + first + [7, 8], second, logprobs=logprobs)
         rows += episode.rows
-    write_calls(str(path), rows, name="calls-0", run="r")
-    write_rewards(str(path), [{"episode_id": e, "reward": r} for e, _, _, r in episodes], run="r")
+    write_calls(str(path), rows, name="calls-0", run=run)
+    write_rewards(str(path), [{"episode_id": e, "reward": r} for e, _, _, r in episodes], run=run)
     return path
 
 
@@ -123,6 +123,31 @@ def test_near_on_policy_selection_ages_out_groups_whole_and_never_repeats_an_epi
             row["policy_version_min"] = "1"
     chosen, aged, _ = select_groups(pa.Table.from_pylist(mixed, schema=episodes.schema), 4, "async", 2, set(), 10)
     assert sorted(chosen) == ["new-1", "new-2"] and sorted(aged) == ["mid-1", "mid-2", "old-1", "old-2"]
+
+
+def test_a_trainer_never_selects_an_evaluations_episodes(tmp_path):
+    """`forge eval` runs are named eval-…: their complete, rewarded groups of the current version sit in the store
+    beside a training run's, and the trainer's selection leaves them out, counted, in both modes."""
+    store = store_of(tmp_path, [("train-a", "t", "0", 1.0), ("train-b", "t", "0", 0.0)])
+    store_of(tmp_path, [("eval-1.t.0", "t", "0", 1.0), ("eval-1.t.1", "t", "0", 0.0),
+                        ("eval-1.u.0", "u", "0", 0.5), ("eval-1.u.1", "u", "0", 1.0)], run="eval-1")  # fmt: skip
+    episodes = collected(store).episodes
+    assert sorted(episodes["run_id"].to_pylist()) == ["eval-1"] * 4 + ["r"] * 2
+    for mode, staleness in (("sync", 0), ("async", 3)):
+        chosen, aged, waiting = select_groups(episodes, 0, mode, staleness, set(), 100)
+        assert sorted(chosen) == ["train-a", "train-b"] and aged == []
+        assert waiting["for_evaluation"] == 4
+
+    # The trainer's own wait (no policy server needed for it): the training group, never the evaluation's.
+    trainer = Trainer.__new__(Trainer)
+    trainer.settings = TrainSettings(store=str(store), policy_url="http://127.0.0.1:9", idle_seconds=0.0)
+    trainer.state = TrainState()
+    trainer.collector = Collector(str(store), idle_seconds=0.0, progress=False)
+    _, chosen, _, _ = trainer.wait_for_episodes(every_ready=True)
+    assert sorted(chosen) == ["train-a", "train-b"]
+    trainer.state = TrainState(trained=chosen)  # once trained, only the evaluation's remain: nothing to train on
+    with pytest.raises(NothingReady, match="4 for evaluation"):
+        trainer.wait_for_episodes(every_ready=True)
 
 
 def test_an_episode_whose_weights_are_unknown_is_never_trained_and_says_why(tmp_path):
