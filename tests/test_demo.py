@@ -16,7 +16,7 @@ from collector.sql import connect
 from forge.demo.run import TASKS_FILE, summary_table
 from forge.demo.verify import CHECKS, verdict
 from k8s.tasks import load_tasks
-from tests.support import teacher
+from trainer import teacher
 from trainer.publish import TOLERANCE
 from trainer.serve import default_checkpoint
 

@@ -22,8 +22,8 @@ import torch
 
 from collector.collect import Collector, trainable
 from forge.errors import ForgeError
-from tests.support import teacher
 from tests.trainer.recording import Sample, record, sample
+from trainer import teacher
 from trainer.batch import padded, rows_from_segments
 from trainer.publish import PolicyClient, PublishError
 from trainer.serve import PolicyServer, default_checkpoint, free_port
