@@ -91,7 +91,9 @@ def group_members(pgid: int) -> list[int]:
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+# SIGTERM only: SIGINT goes to the same handler (trainer/serve.py registers one for both); a second vLLM start for
+# it cost the suite a minute (issue 25).
+@pytest.mark.parametrize("signum", [signal.SIGTERM], ids=["SIGTERM"])
 def test_serve_prints_its_url_and_stops_cleanly_on_a_signal(prepared_model, signum):
     port = free_port()
     process = subprocess.Popen(
