@@ -63,7 +63,7 @@ def image_forge(work: Path) -> tuple[list[str], dict[str, str]]:
 def test_the_injected_commands_make_a_recording_pod(tmp_path):
     if blocked := closed_to_others((ROOT / ".venv-sidecar" / "bin").resolve()):
         pytest.fail(f"{blocked} is closed to other uids: build the envs where uid {PROXY_UID} can read")
-    settings = InjectorSettings()
+    settings = InjectorSettings(policy_model="forge-run9")  # the policy's name, as `forge train` printed it
     with FakeUpstream() as upstream:
         net = build_pod_network([MODEL_HOST])
         relay = Relay((net.root_address, free_port()), ("127.0.0.1", int(upstream.url.rsplit(":", 1)[1])))
@@ -132,6 +132,10 @@ def test_the_injected_commands_make_a_recording_pod(tmp_path):
             assert call["episode_id"] == "run9.add.0" and call["task_id"] == "add" and call["run_id"] == "run9"
             assert call["host"] == MODEL_HOST and call["status"] == "ok"
             assert call["harness"] == "my-agent"  # the annotation beats curl's own user agent
+            # Served by the policy the injector named (not the model the server lists first), and labelled with its
+            # version: the upstream got that name, and the record says it served the call.
+            assert json.loads(upstream.server.requests[-1]["body"])["model"] == "forge-run9"  # type: ignore[attr-defined]
+            assert call["model_served"] == "forge-run9" and call["policy_version"] == "fake-1"
 
             # The harness has no token: its reward is refused. The verifier's `forge verify` has it: recorded.
             forged = net.pod.run(
