@@ -51,6 +51,7 @@ from sidecar.apis.errors import error_body, error_headers
 from sidecar.continuation import Continuations, Decision, note_of
 from sidecar.guard import PolicyGuard
 from sidecar.metrics import Metrics
+from sidecar.policy import announced_policy, policy_context
 from sidecar.prefix import PrefixIndex
 from sidecar.record import CallRecord, checked_row
 from sidecar.redact import (
@@ -113,16 +114,6 @@ class Call:
     moved_from: str | None = None  # the replica that served the episode's previous call, when it moved
     moved_why: str | None = None
     version_why: str | None = None  # why the record's version is unknown, for its note
-
-
-def announced_policy(listed: list[dict[str, Any]], current: str | None) -> str:
-    """The policy a server announces in its model list: its only LoRA adapter (vLLM lists an adapter with its base as
-    ``parent``), else its base model. An adapter once chosen stays while none or several are listed (a publish
-    reloads it; another run's adapter may sit beside it): a LoRA run's calls never fall back to the base."""
-    adapters = [m["id"] for m in listed if m.get("parent")]
-    if len(adapters) == 1:
-        return str(adapters[0])
-    return current if current is not None else str(listed[0]["id"])
 
 
 def moved_note(call: Call, note: str | None) -> str | None:
@@ -279,9 +270,8 @@ class Forge:
             if announced != self.policy_model:
                 log.warning("the policy is served as %r (announced by %s)", announced, replica.url)
             self.policy_model = announced
-        served = next((m for m in listed if m.get("id") == self.policy_model), listed[0])
-        context = served.get("max_model_len")
-        if isinstance(context, int) and not isinstance(context, bool) and context > 0:
+        context = policy_context(listed, self.policy_model)
+        if context is not None:
             replica.context = context
 
     async def _learn_context(self, replica: Replica) -> None:

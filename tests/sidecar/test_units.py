@@ -493,3 +493,17 @@ def test_identity_in_a_pod_ignores_and_counts_a_clients_relabel_and_outside_one_
     assert identify(local, {}, None, metrics, {}) == ("s-default", None, "default")
     operator = Rules("fixed", "t", "r", trust_client=False, pod_episode="run.add.0", default_episode="s-default")
     assert identify(operator, claimed, None, metrics, env) == ("fixed", "t", "r")
+
+
+def test_the_policy_is_the_servers_only_adapter_else_its_base_and_never_falls_back_to_the_base():
+    from sidecar.policy import announced_policy, policy_context
+
+    base = {"id": "SmolLM2-135M-Instruct", "max_model_len": 16384, "parent": None}
+    adapter = {"id": "forge-run7", "parent": "SmolLM2-135M-Instruct"}  # vLLM lists an adapter with no context
+    other = {"id": "forge-run8", "parent": "SmolLM2-135M-Instruct"}
+    assert announced_policy([base], None) == "SmolLM2-135M-Instruct"  # full weights: the server's model
+    assert announced_policy([base, adapter], "SmolLM2-135M-Instruct") == "forge-run7"  # a LoRA run's v0 loaded
+    assert announced_policy([base], "forge-run7") == "forge-run7"  # mid-publish (unloaded, not yet loaded): kept
+    assert announced_policy([base, adapter, other], "forge-run7") == "forge-run7"  # ambiguous: never guessed
+    assert policy_context([base, adapter], "forge-run7") == 16384  # the adapter's context is its base's
+    assert policy_context([{"id": "x"}], "x") is None
