@@ -539,6 +539,8 @@ class Forge:
         self, flow: http.HTTPFlow, api: str, identity: tuple[str, str | None, str], route: Route,
         headers: dict[str, str],
     ) -> None:  # fmt: skip
+        """Begin a model call: its record-to-be, then its upstream request, prepared whole before any of it is
+        applied, so that a failure half way never sends a half-prepared call."""
         episode, task, run = identity
         assert self.writer is not None
         seq = self.writer.next_seq(episode)
@@ -550,15 +552,37 @@ class Forge:
             host=flow.request.host_header or flow.request.pretty_host, path=flow.request.path.split("?", 1)[0],
         )  # fmt: skip
         call.user_agent = headers.get("user-agent")
+        call.replica, call.moved_from, call.moved_why = route.replica, route.moved_from, route.why
         flow.metadata["forge_call"] = call
         self.in_flight[call.call_id] = (flow, call)
+        try:
+            prepared = self._prepare(flow, call, headers, route.replica)
+        except Exception as error:  # our code failed on an odd request: its API's error, never a half-prepared call
+            self.metrics.inc("requests_unprepared_total")
+            log.error("a model call could not be prepared (%s); answered 500, not sent", type(error).__name__)
+            call.error = f"request not prepared ({type(error).__name__}: {scrub_text(str(error), call.secrets)})"
+            flow.metadata["forge_answered"] = True
+            message = "The proxy could not prepare this request for the model; it was not sent."
+            flow.response = http.Response.make(500, error_body(api, 500, message, "proxy_error"), error_headers(api))
+            self._record(flow, call, status="error")
+            return
+        # Applied at once, after everything that can fail: the upstream gets the whole prepared call or the original.
         self._strip_hop_secrets(flow)
         self._route(flow, route.replica)
-        call.replica, call.moved_from, call.moved_why = route.replica, route.moved_from, route.why
+        if prepared is not None:
+            flow.request.headers.pop("content-encoding", None)  # vLLM reads no gzip/br/zstd bodies: sent decoded
+            flow.request.path, flow.request.content = prepared
+
+    def _prepare(
+        self, flow: http.HTTPFlow, call: Call, headers: dict[str, str], replica: Replica
+    ) -> tuple[str, bytes] | None:  # fmt: skip
+        """A model call's upstream path and body (the policy's model name, the completion bound, the ids asked),
+        with what its record says of the request set on ``call``; None: it goes on as it came (not a JSON object,
+        or not translatable: vLLM judges it). Reads the flow, changes none of it."""
+        api = call.api
         try:
-            flow.request.decode(strict=True)  # vLLM reads no gzip/br/zstd bodies: send them on decoded
-            content = flow.request.raw_content
-            body = codec.loads(content or b"")
+            content = flow.request.get_content(strict=True) or b""
+            body = codec.loads(content)
             if not isinstance(body, dict):
                 raise ValueError("the body is not a JSON object")
         except ValueError as error:  # malformed JSON, non-JSON content type, undecodable encoding
@@ -567,31 +591,33 @@ class Forge:
                 {"note": "unparsable request", "bytes": len(flow.request.raw_content or b"")}
             )
             call.harness = harness.detect(api, headers, None)
-            return
+            return None
         call.secrets += secrets_in_body(body)
         call.harness = harness.detect(api, headers, body)
-        size = len(content or b"")
+        size = len(content)
         # The record keeps the request as the harness sent it (redacted), not as the upstream got it.
         call.request_json = (
             redacted_text(content.decode("utf-8", "replace"), call.secrets)
             if size <= MAX_RECORDED_BODY
             else json.dumps({"note": "request body too large to copy", "bytes": size})
         )
+        if apis.drop_internal_fields(body):
+            self.metrics.inc("internal_fields_dropped_total")
         model = body.get("model")  # a harness may send any JSON here: a name that is not a string is kept as JSON
         call.model_requested = model if isinstance(model, str) or model is None else json.dumps(model)
         served = self._served_model(call.model_requested)
         if served:
             body["model"] = served
-        call.bound = apis.bound_completion(api, body, ctx.options.forge_max_completion_tokens, route.replica.context)
-        call.module = apis.module_for(api)
+        bound = apis.bound_completion(api, body, ctx.options.forge_max_completion_tokens, replica.context)
+        module = apis.module_for(api)
         try:
-            call.added = call.module.prepare_request(api, body)
+            added = module.prepare_request(api, body)
         except ValueError as error:  # a request we cannot translate goes on as it came; vLLM judges it
             call.error = f"request not translated ({error}); passed through unchanged"
-            return
-        if call.added.upstream_path:
-            flow.request.path = call.added.upstream_path
-        flow.request.content = codec.dumps(body)
+            return None
+        prepared = (added.upstream_path or flow.request.path, codec.dumps(body))
+        call.bound, call.module, call.added = bound, module, added
+        return prepared
 
     def _map_model(self, flow: http.HTTPFlow) -> None:
         try:

@@ -47,6 +47,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from sidecar import codec
 from sidecar.apis import CompletionBound, responses
 from sidecar.apis.base import Sampled, Served, compact
 from sidecar.apis.base import StreamState as BaseStreamState
@@ -601,20 +602,20 @@ class Continuations:
         call.continuation = decision
         if request is None:
             return
+        content = codec.dumps(request)  # before anything changes: the call goes whole, tokens-in or not
         decision.original_body = flow.request.content or b""
         decision.inner_added = call.added
         if call.api == "responses":
             call.added = ReusedIds(inner=call.added, prompt_ids=request["kv_transfer_params"][REUSED_IDS],
                                    decision=decision)  # fmt: skip
-            flow.request.content = compact(request).encode()
+            flow.request.content = content
             return
         call.added = Additions(
             inner=call.added, stream=bool(request.get("stream")),
             tools=bool(body.get("tools")) and body.get("tool_choice") in (None, "auto"),
             prompt_ids=request["prompt"], note=decision.note or "",
         )  # fmt: skip
-        flow.request.path = COMPLETIONS_PATH
-        flow.request.content = compact(request).encode()
+        flow.request.path, flow.request.content = COMPLETIONS_PATH, content
 
     async def fall_back(self, forge: "Forge", flow: "http.HTTPFlow", call: "Call") -> bool:
         """The tokens-in answer is an error: ask the normal path instead and give the harness that answer. True
