@@ -215,7 +215,13 @@ class Forge:
                 ctx.master.shutdown()
                 return
             self.secrets.append(token)  # scrubbed should a harness ever send it (it cannot read it in a pod)
-            self.admin = AdminServer(("127.0.0.1", o.forge_admin_port), self.writer, self.metrics, token).start()
+            # In a pod, rewards for its own episode only (unless the operator lets clients choose episodes).
+            own = (
+                (o.forge_episode_id or self.pod_episode)
+                if self.pod_episode and not o.forge_trust_episode_header
+                else None
+            )
+            self.admin = AdminServer(("127.0.0.1", o.forge_admin_port), self.writer, self.metrics, token, own).start()
         log.info("OpenForge sidecar %s: upstream %s, store %s", self.sidecar_id, o.forge_upstream, store.uri)
 
     def _reward_token(self, wal_dir: Path) -> str:
