@@ -48,7 +48,7 @@ from sidecar import apis, codec, harness, identity, transparent
 from sidecar.admin import DEFAULT_TOKEN_FILE, AdminServer, TokenFileError, create_token_file, read_token_file
 from sidecar.apis.base import Sampled, Served, StreamState, WireApi
 from sidecar.apis.errors import error_body, error_headers
-from sidecar.continuation import Continuations, Decision, note_of
+from sidecar.continuation import Continuations, Decision, caused_by_tokens_in, note_of
 from sidecar.guard import PolicyGuard
 from sidecar.metrics import Metrics
 from sidecar.prefix import PrefixIndex
@@ -497,7 +497,7 @@ class Forge:
         if call is None or call.recorded:
             return
         try:
-            failed = flow.response is not None and flow.response.status_code >= 400
+            failed = flow.response is not None and caused_by_tokens_in(flow.response.status_code)
             tokens_in = call.continuation is not None and call.continuation.state == "tokens_in"
             if (
                 failed

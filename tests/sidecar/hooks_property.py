@@ -1,4 +1,5 @@
-"""Run in the sidecar's environment (mitmproxy): the addon's real hooks, in-process, fed odd JSON for every wire API.
+"""Run in the sidecar's environment (mitmproxy): the addon's real hooks, in-process, fed odd JSON for every wire API
+(``property``), or one of the named cases (``CASES``).
 
 ``tests/sidecar/test_hooks_property.py`` runs this file with the sidecar's Python (hypothesis made importable
 beside it); it exits non-zero with the falsifying example when a property fails. For every call:
@@ -11,6 +12,7 @@ No server is started: the policy version and the replica's context are fixed, to
 
 import asyncio
 import json
+import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -25,6 +27,7 @@ from mitmproxy.test import taddons, tflow, tutils
 
 from sidecar.addon import Forge
 from sidecar.apis import MAX_TOKEN_FIELDS
+from sidecar.continuation import Decision
 from sidecar.replicas import ReplicaSet, parse_upstreams
 from sidecar.store import open_store
 from sidecar.writer import RecordWriter
@@ -206,10 +209,63 @@ TRIGGERS = {
 }  # fmt: skip
 
 
+def closed_port() -> int:
+    """A loopback port nothing listens on (a policy server that went away)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+async def tokens_in_call(forge: Forge, answer_status: int) -> http.HTTPFlow:
+    """A chat call as if served tokens-in, its answer an error, the policy server then gone."""
+    body = {"model": "gpt-x", "messages": [{"role": "user", "content": "hi"}]}
+    headers = http.Headers(content_type="application/json")
+    request = tutils.treq(host="api.openai.com", port=443, scheme=b"https", method=b"POST",
+                          path=PATHS["chat"].encode(), authority=b"api.openai.com", headers=headers,
+                          content=json.dumps(body).encode())  # fmt: skip
+    flow = tflow.tflow(req=request)
+    forge.requestheaders(flow)
+    await forge.request(flow)
+    call = flow.metadata["forge_call"]
+    original = flow.request.content or b""
+    call.continuation = Decision("tokens_in", original_path=flow.request.path, original_body=original,
+                                 inner_added=call.added)  # fmt: skip
+    flow.request.path, flow.request.port = "/v1/completions", closed_port()
+    flow.response = tutils.tresp(status_code=answer_status, headers=http.Headers(content_type="application/json"),
+                                 content=b'{"error":{"message":"from the tokens-in path"}}')  # fmt: skip
+    forge.responseheaders(flow)
+    await forge.response(flow)
+    return flow
+
+
+async def tokens_in_fallback_unreachable(forge: Forge, writer: RecordWriter) -> None:
+    """Issue 21, item 7: the tokens-in answer is an error tokens-in could have caused (400), and the normal path
+    cannot be reached: the harness gets its API's 502, and the call is recorded. An answer tokens-in cannot have
+    caused (503) is passed on and recorded, never asked again."""
+    for status, expected in ((400, 502), (503, 503)):
+        flow = await tokens_in_call(forge, status)
+        call = flow.metadata["forge_call"]
+        assert flow.response is not None and flow.response.status_code == expected, flow.response
+        assert json.loads(flow.response.content or b"")["error"]["message"]
+        (record,) = records_of(writer, call.call_id)
+        assert record["http_status"] == expected and record["status"] in ("error", "upstream_error"), record
+        assert call.call_id not in forge.in_flight, "the call is still in flight"
+
+
+CASES = {"tokens-in-fallback-unreachable": tokens_in_fallback_unreachable}
+
+
 def main() -> None:
+    """``property [EXAMPLES]`` (the default): the triggers, then the search; or the name of one case of CASES."""
     tmp = Path(tempfile.mkdtemp(prefix="forge-hooks-"))
     forge, writer, tctx = make_forge(tmp)
     loop = asyncio.new_event_loop()
+    if len(sys.argv) > 1 and sys.argv[1] in CASES:
+        with tctx:
+            loop.run_until_complete(CASES[sys.argv[1]](forge, writer))
+        print("ok")
+        return
+    examples = int(sys.argv[2]) if len(sys.argv) > 2 else 300
     with tctx:
         failed = []
         for name, (api, body, episode) in TRIGGERS.items():
@@ -222,7 +278,7 @@ def main() -> None:
         print("\n".join(["triggers failed:", *failed]) if failed else "triggers ok", flush=True)
         apis_ = st.sampled_from(sorted(BODIES))
 
-        @settings(max_examples=int(sys.argv[1]) if len(sys.argv) > 1 else 300, deadline=None, database=None,
+        @settings(max_examples=examples, deadline=None, database=None,
                   suppress_health_check=list(HealthCheck))  # fmt: skip
         @given(data=st.data(), episode=episode_headers, outcome=outcomes)
         def every_call_is_prepared_whole_and_recorded_once(data: Any, episode: bytes | None, outcome: str) -> None:

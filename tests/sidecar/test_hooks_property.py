@@ -22,17 +22,27 @@ def hypothesis_only(folder: Path) -> Path:
     return folder
 
 
-def test_every_model_call_goes_upstream_whole_or_as_it_came_and_ends_in_one_record(tmp_path):
-    """Found triggers first (a lone surrogate escape in a body, a non-string system text, a tool whose name is a
-    list, a non-UTF-8 episode header, vLLM-internal fields: each must be prepared whole), then odd-typed JSON for
-    every wire API."""
+def in_sidecar_env(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    """hooks_property.py with these arguments, in the sidecar's environment; its output shown on failure."""
     if not SIDECAR_PYTHON.exists():
         pytest.fail("the sidecar environment is missing: run `make env`")
     env = {**os.environ, "PYTHONPATH": str(hypothesis_only(tmp_path))}
     done = subprocess.run(
-        [str(SIDECAR_PYTHON), str(HERE / "hooks_property.py"), str(EXAMPLES)],
+        [str(SIDECAR_PYTHON), str(HERE / "hooks_property.py"), *args],
         capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path,
     )  # fmt: skip
     sys.stderr.write(done.stderr[-4000:])
     assert done.returncode == 0 and done.stdout.splitlines()[-1] == "ok", done.stdout + done.stderr[-8000:]
+    return done
+
+
+def test_every_model_call_goes_upstream_whole_or_as_it_came_and_ends_in_one_record(tmp_path):
+    """Found triggers first (a lone surrogate escape in a body, a non-string system text, a tool whose name is a
+    list, a non-UTF-8 episode header, vLLM-internal fields: each must be prepared whole), then odd-typed JSON for
+    every wire API."""
+    done = in_sidecar_env(tmp_path, "property", str(EXAMPLES))
     assert "triggers ok" in done.stdout
+
+
+def test_a_tokens_in_call_whose_fallback_cannot_reach_the_server_gets_a_502_and_is_recorded(tmp_path):
+    in_sidecar_env(tmp_path, "tokens-in-fallback-unreachable")
