@@ -458,8 +458,26 @@ class Forge:
                 continue
             route = self.replicas.route(moved.episode_id, exclude=tried)
             moved.replica, moved.moved_from, moved.moved_why = replica, route.moved_from, route.why
+            self._bound_again(flow, moved, replica)
             if not self.policy_version:
                 moved.policy_version = await self._clock(replica).before()
+
+    def _bound_again(self, flow: http.HTTPFlow, call: Call, replica: Replica) -> None:
+        """A call moved to another replica is bounded by that one's context (it was by the one it left)."""
+        if call.bound is None or call.bound.context == replica.context:
+            return
+        try:
+            body = codec.loads(flow.request.content or b"")
+            served_api = apis.api_for("POST", flow.request.path)  # chat for Messages, completions for tokens-in
+            if not isinstance(body, dict) or served_api not in apis.MAX_TOKEN_FIELDS:
+                return
+            bound = apis.bound_completion(served_api, body, ctx.options.forge_max_completion_tokens, replica.context)
+            content = codec.dumps(body)
+        except Exception as error:  # the call goes as it is: the new replica judges its bound
+            self._internal_error("bound again", error)
+            return
+        call.bound = apis.CompletionBound(call.bound.requested, bound.sent, replica.context)
+        flow.request.content = content
 
     def _connected(self, flow: http.HTTPFlow) -> None:
         """The flow no longer waits for a connection to its replica."""

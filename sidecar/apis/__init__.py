@@ -89,7 +89,21 @@ class CompletionBound:
 
 
 def _bound(value: object) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+    """A completion bound as vLLM reads it (pydantic's lax integer: 100, 100.0, "100", " 100 ", "100.0"); None when
+    the value is not one (the server judges it)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        return int(value) if value.is_integer() else None
+    if isinstance(value, str):
+        whole, _, fraction = value.strip().partition(".")
+        try:
+            return int(whole) if not fraction.strip("0") else None
+        except ValueError:
+            return None
+    return None
 
 
 def _effective(api: str, body: dict[str, Any]) -> int | None:

@@ -23,6 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mitmproxy import http
+from mitmproxy.connection import Server
+from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 from mitmproxy.test import taddons, tflow, tutils
 
 from sidecar.addon import Forge
@@ -252,7 +254,41 @@ async def tokens_in_fallback_unreachable(forge: Forge, writer: RecordWriter) -> 
         assert call.call_id not in forge.in_flight, "the call is still in flight"
 
 
-CASES = {"tokens-in-fallback-unreachable": tokens_in_fallback_unreachable}
+async def replica_move_bounds_again(forge: Forge, writer: RecordWriter) -> None:
+    """Issue 21, item 8: a call bounded for a replica with a large context, moved (its replica refuses the
+    connection) to one with a smaller context, is bounded again for that one (else vLLM refuses it)."""
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        small = listening.getsockname()[1]
+        forge.replicas = ReplicaSet(parse_upstreams(f"http://127.0.0.1:{closed_port()},http://127.0.0.1:{small}"))
+        large, smaller = forge.replicas.all()
+        if large.port == small:
+            large, smaller = smaller, large
+        large.context, smaller.context = 8192, 2048
+        forge.replicas.served("episode-moved", large)
+        body = {"model": "claude-x", "max_tokens": 128000, "messages": [{"role": "user", "content": "hi"}]}
+        headers = http.Headers(content_type="application/json", x_forge_episode_id="episode-moved")
+        request = tutils.treq(host="api.anthropic.com", port=443, scheme=b"https", method=b"POST",
+                              path=PATHS["messages"].encode(), authority=b"api.anthropic.com", headers=headers,
+                              content=json.dumps(body).encode())  # fmt: skip
+        flow = tflow.tflow(req=request)
+        forge.requestheaders(flow)
+        await forge.request(flow)
+        assert flow.request.port == large.port and json.loads(flow.request.content or b"")["max_tokens"] == 8192
+        await forge.server_connect(ServerConnectionHookData(Server(address=("127.0.0.1", large.port)),
+                                                            flow.client_conn))  # fmt: skip
+    sent = json.loads(flow.request.content or b"")
+    assert flow.request.port == small, "not moved"
+    assert sent["max_tokens"] <= 2048, f"moved with the bound of the replica it left: {sent['max_tokens']}"
+    call = flow.metadata["forge_call"]
+    assert call.bound.context == 2048 and call.bound.requested == 128000 and call.moved_from == large.url
+
+
+CASES = {
+    "tokens-in-fallback-unreachable": tokens_in_fallback_unreachable,
+    "replica-move-bounds-again": replica_move_bounds_again,
+}
 
 
 def main() -> None:

@@ -46,3 +46,7 @@ def test_every_model_call_goes_upstream_whole_or_as_it_came_and_ends_in_one_reco
 
 def test_a_tokens_in_call_whose_fallback_cannot_reach_the_server_gets_a_502_and_is_recorded(tmp_path):
     in_sidecar_env(tmp_path, "tokens-in-fallback-unreachable")
+
+
+def test_a_call_moved_to_a_replica_with_a_smaller_context_is_bounded_again(tmp_path):
+    in_sidecar_env(tmp_path, "replica-move-bounds-again")
