@@ -93,7 +93,7 @@ class VersionClock:
                 self.idle.append(connection)
                 self._learn(asked_at, version)
                 return version
-            except (OSError, TimeoutError, ValueError, asyncio.IncompleteReadError) as error:
+            except (OSError, TimeoutError, ValueError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as error:
                 if connection is not None:
                     connection[1].close()
                 if attempt == 1 or isinstance(error, TimeoutError):  # a server that did not answer: once is enough

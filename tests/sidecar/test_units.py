@@ -394,6 +394,36 @@ def test_kept_alive_version_connections_the_server_closed_never_leave_a_version_
             clock.stop()
 
 
+def test_a_version_answer_with_an_oversized_header_is_an_unknown_version_not_an_exception():
+    """asyncio's readuntil raises LimitOverrunError (not an OSError) past 64 KiB: it must not escape into routing."""
+    import asyncio
+    import socket
+    import threading
+    from urllib.parse import urlparse
+
+    from sidecar import version
+
+    with socket.create_server(("127.0.0.1", 0)) as server:
+
+        def answer() -> None:
+            while True:  # every question (the clock asks once more on a new connection)
+                try:
+                    connection, _ = server.accept()
+                except OSError:  # the test is over
+                    return
+                with connection:
+                    connection.recv(4096)
+                    connection.sendall(b"HTTP/1.1 200 OK\r\nx-padding: " + b"a" * 200_000 + b"\r\n\r\n")
+
+        threading.Thread(target=answer, daemon=True).start()
+        host, port = server.getsockname()
+        clock = version.VersionClock(urlparse(f"http://{host}:{port}"), lambda row, v: None)
+        try:
+            assert asyncio.run(clock.before()) is None
+        finally:
+            clock.stop()
+
+
 def test_after_a_crash_the_count_goes_on_from_the_records_whether_flushed_or_still_in_the_wal(tmp_path):
     """seq is counted in memory; a writer that dies without closing leaves records in the WAL or the store, and
     the next one counts on from the highest recorded seq of each episode."""
