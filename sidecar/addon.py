@@ -285,8 +285,10 @@ class Forge:
         with ThreadPoolExecutor(max_workers=8, thread_name_prefix="forge-poll") as pool:
             while not self.stop.is_set():
                 try:
-                    for change in self.replicas.refresh():
-                        log.warning("policy replicas: %s", change)
+                    if changes := self.replicas.refresh():
+                        for change in changes:
+                            log.warning("policy replicas: %s", change)
+                        self._forget_gone()
                     replicas = self.replicas.all()
                     for replica, failure in zip(replicas, pool.map(self._poll, replicas), strict=True):
                         self._mark(replica, failure is None, failure)
@@ -294,6 +296,18 @@ class Forge:
                 except Exception as error:  # the poller never dies
                     self._internal_error("policy poll", error)
                 self.stop.wait(interval)
+
+    def _forget_gone(self) -> None:
+        """Replicas DNS no longer lists: their version clients (and threads), tokens-in clients and gauges go too."""
+        known = {replica.url for replica in self.replicas.all()}
+        for url in [url for url in self.versions if url not in known]:
+            self.versions.pop(url).stop()
+        for url in [url for url in self.continuations if url not in known]:
+            del self.continuations[url]
+        for url in [url for url in self.context_asked if url not in known]:
+            del self.context_asked[url]
+        for url in self.replicas.gone:
+            self.metrics.remove(f'replica_up{{replica="{url}"}}')
 
     def _poll(self, replica: Replica) -> str | None:
         try:

@@ -15,6 +15,8 @@ import json
 import socket
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -285,7 +287,35 @@ async def replica_move_bounds_again(forge: Forge, writer: RecordWriter) -> None:
     assert call.bound.context == 2048 and call.bound.requested == 128000 and call.moved_from == large.url
 
 
+async def replicas_that_leave_dns_are_forgotten(forge: Forge, writer: RecordWriter) -> None:
+    """Issue 21, item 10: when DNS no longer lists a replica, its version client (and thread), tokens-in client
+    and gauge go with it; the replica that stays keeps its own."""
+    listed = ["127.0.0.1", "127.0.0.2"]
+    forge.replicas = ReplicaSet(parse_upstreams(f"dns+http://policy.test:{closed_port()}"),
+                                resolver=lambda name, port: list(listed), refresh_s=0.0)  # fmt: skip
+    stay, leave = forge.replicas.all()
+    clocks = {r.url: forge._clock(r) for r in (stay, leave)}
+    for replica in (stay, leave):
+        forge._continuations(replica)
+    forge._replica_metrics()
+    assert f'replica_up{{replica="{leave.url}"}}' in forge.metrics.render()
+    listed.remove(leave.host)
+    poller = threading.Thread(target=forge._watch_policy, daemon=True)
+    poller.start()
+    deadline = time.monotonic() + 10
+    while leave.url in forge.versions and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    forge.stop.set()
+    poller.join(10)
+    assert set(forge.versions) == set(forge.continuations) == {stay.url}, (forge.versions, forge.continuations)
+    clocks[leave.url].thread.join(5)
+    assert not clocks[leave.url].thread.is_alive() and clocks[stay.url].thread.is_alive()
+    assert leave.url not in forge.metrics.render() and stay.url in forge.metrics.render()
+    clocks[stay.url].stop()
+
+
 CASES = {
+    "replicas-that-leave-dns-are-forgotten": replicas_that_leave_dns_are_forgotten,
     "tokens-in-fallback-unreachable": tokens_in_fallback_unreachable,
     "replica-move-bounds-again": replica_move_bounds_again,
 }

@@ -50,3 +50,7 @@ def test_a_tokens_in_call_whose_fallback_cannot_reach_the_server_gets_a_502_and_
 
 def test_a_call_moved_to_a_replica_with_a_smaller_context_is_bounded_again(tmp_path):
     in_sidecar_env(tmp_path, "replica-move-bounds-again")
+
+
+def test_the_clients_threads_and_gauges_of_a_replica_that_left_dns_go_with_it(tmp_path):
+    in_sidecar_env(tmp_path, "replicas-that-leave-dns-are-forgotten")
