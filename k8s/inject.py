@@ -9,7 +9,8 @@ patch is applied with `jsonpatch` before it is sent. `review` answers an Admissi
 
 What an injected pod gets, in start order (as Istio's native-sidecar mode does it):
 1. `openforge-net-init` (init container, root with NET_ADMIN/NET_RAW only, exits): `forge net-init`, the nat rules
-   that send every other uid's outbound 80/443 to the sidecar.
+   that send every other uid's outbound 80/443 to the sidecar, and a filter rule refusing every other uid the
+   policy server's port.
 2. `openforge-ca-init` (init container, uid 1337): copies the CA from its Secret into the sidecar's own emptyDir
    (mitmproxy writes into its confdir, and a Secret volume is read-only).
 3. `openforge-sidecar`: a native sidecar (init container with `restartPolicy: Always`: it runs beside the app and
@@ -33,6 +34,7 @@ from jsonpointer import JsonPointer
 from forge import __version__
 from k8s.settings import EPISODE, HARNESS, INJECT, INJECTED, RUN, SKIPPED, TASK, VERIFIER, InjectorSettings
 from sidecar.ca import CaFiles
+from sidecar.replicas import parse_upstreams
 
 NEVER_INJECTED_NAMESPACES = ("kube-system", "kube-public")
 NET_INIT = "openforge-net-init"
@@ -235,6 +237,9 @@ def net_init_container(settings: InjectorSettings) -> dict[str, Any]:
     args = ["net-init", "--proxy-uid", str(settings.proxy_uid), "--proxy-port", str(settings.proxy_port)]
     for cidr in settings.exclude_cidrs:
         args += ["--exclude-cidr", cidr]
+    # The policy server's port: only the sidecar may reach it (its admin routes, unrecorded model calls).
+    for port in sorted({upstream.port for upstream in parse_upstreams(settings.upstream)}):
+        args += ["--reject-port", str(port)]
     return {
         "name": NET_INIT,
         "image": settings.image,
