@@ -9,7 +9,8 @@ patch is applied with `jsonpatch` before it is sent. `review` answers an Admissi
 
 What an injected pod gets, in start order (as Istio's native-sidecar mode does it):
 1. `openforge-net-init` (init container, root with NET_ADMIN/NET_RAW only, exits): `forge net-init`, the nat rules
-   that send every other uid's outbound 80/443 to the sidecar.
+   that send every other uid's outbound 80/443 to the sidecar, and a filter rule refusing every other uid the
+   policy server's port.
 2. `openforge-ca-init` (init container, uid 1337): copies the CA from its Secret into the sidecar's own emptyDir
    (mitmproxy writes into its confdir, and a Secret volume is read-only).
 3. `openforge-sidecar`: a native sidecar (init container with `restartPolicy: Always`: it runs beside the app and
@@ -33,6 +34,7 @@ from jsonpointer import JsonPointer
 from forge import __version__
 from k8s.settings import EPISODE, HARNESS, INJECT, INJECTED, RUN, SKIPPED, TASK, VERIFIER, InjectorSettings
 from sidecar.ca import CaFiles
+from sidecar.replicas import parse_upstreams
 
 NEVER_INJECTED_NAMESPACES = ("kube-system", "kube-public")
 NET_INIT = "openforge-net-init"
@@ -53,6 +55,29 @@ BUNDLE_DIR = "/etc/openforge/ca-bundle"
 WAL_DIR = "/var/run/openforge/wal"
 REWARD_DIR = "/var/run/openforge/reward"
 REWARD_TOKEN_FILE = f"{REWARD_DIR}/token"
+
+
+# Capabilities no app container may add (named as Kubernetes does, in any case, with or without CAP_), and why.
+REFUSED_CAPABILITIES = {
+    "NET_ADMIN": "it could remove the iptables rules",
+    "SYS_ADMIN": "it could remove the iptables rules",
+    "ALL": "it could remove the iptables rules",
+    "SETUID": "as root it could become the sidecar's uid, whose traffic is not redirected",
+    "SETGID": "as root it could become the sidecar's gid, whose traffic is not redirected",
+}
+DROPPED_CAPABILITIES = ["SETUID", "SETGID"]  # dropped from every app container: root in it cannot become uid 1337
+
+
+def capability(name: Any) -> str:
+    """A capability as Kubernetes names it: `cap_net_admin` and `net_admin` are NET_ADMIN."""
+    return str(name).upper().removeprefix("CAP_")
+
+
+def _in_environment(container: dict[str, Any], how: str) -> str:
+    return (
+        f"container {container.get('name')} takes the reward credential into its environment ({how}): every "
+        "process it starts would inherit it; only the verifier gets it, as a file"
+    )
 
 
 class InjectionRefused(Exception):
@@ -123,14 +148,31 @@ def _check_injectable(spec: dict[str, Any], settings: InjectorSettings, verifier
                     f"container {container.get('name')} runs as {what} {settings.proxy_uid}, the sidecar's: its "
                     "traffic would bypass the sidecar"
                 )
-        added = set((context.get("capabilities") or {}).get("add") or []) & {"NET_ADMIN", "SYS_ADMIN", "ALL"}
+        added = {capability(c) for c in (context.get("capabilities") or {}).get("add") or []} & set(
+            REFUSED_CAPABILITIES
+        )
         if added:
-            raise InjectionRefused(
-                f"container {container.get('name')} adds {sorted(added)[0]}: it could remove the iptables rules"
-            )
+            first = sorted(added)[0]
+            raise InjectionRefused(f"container {container.get('name')} adds {first}: {REFUSED_CAPABILITIES[first]}")
+        for source in container.get("envFrom") or []:
+            if (source.get("secretRef") or {}).get("name") == settings.reward_token_secret:
+                raise InjectionRefused(_in_environment(container, "envFrom"))
+        for variable in container.get("env") or []:
+            if ((variable.get("valueFrom") or {}).get("secretKeyRef") or {}).get(
+                "name"
+            ) == settings.reward_token_secret:
+                raise InjectionRefused(_in_environment(container, f"env {variable.get('name')}"))
+    if spec.get("hostPID") or spec.get("hostIPC"):
+        raise InjectionRefused("hostPID/hostIPC: the pod's containers could reach the node's processes and the "
+                               "sidecar's memory (the reward credential)")  # fmt: skip
     for volume in spec.get("volumes") or []:
         if volume.get("name") in OUR_VOLUMES:
             raise InjectionRefused(f"the pod already has a volume named {volume['name']}: rename it")
+        if "hostPath" in volume:
+            raise InjectionRefused(
+                f"volume {volume.get('name')} is a hostPath: the node's files (other pods' credentials, the "
+                "container runtime) are beyond what the injection protects"
+            )
     if spec.get("shareProcessNamespace"):
         raise InjectionRefused("shareProcessNamespace lets every container read the reward credential via /proc")
     # A volume of the pod's own that holds the reward Secret may only be mounted by the verifier.
@@ -195,6 +237,9 @@ def net_init_container(settings: InjectorSettings) -> dict[str, Any]:
     args = ["net-init", "--proxy-uid", str(settings.proxy_uid), "--proxy-port", str(settings.proxy_port)]
     for cidr in settings.exclude_cidrs:
         args += ["--exclude-cidr", cidr]
+    # The policy server's port: only the sidecar may reach it (its admin routes, unrecorded model calls).
+    for port in sorted({upstream.port for upstream in parse_upstreams(settings.upstream)}):
+        args += ["--reject-port", str(port)]
     return {
         "name": NET_INIT,
         "image": settings.image,
@@ -316,9 +361,26 @@ def _app_container_operations(
     if is_verifier:
         added.append(_env_value("FORGE_REWARD_TOKEN_FILE", REWARD_TOKEN_FILE))
         mounts.append({"name": REWARD_VOLUME, "mountPath": REWARD_DIR, "readOnly": True})
-    return _add_all((*path, "env"), container.get("env"), [e for e in added if e["name"] not in own]) + _add_all(
-        (*path, "volumeMounts"), container.get("volumeMounts"), mounts
+    return (
+        _add_all((*path, "env"), container.get("env"), [e for e in added if e["name"] not in own])
+        + _add_all((*path, "volumeMounts"), container.get("volumeMounts"), mounts)
+        + _drop_operations(path, container)
     )
+
+
+def _drop_operations(path: tuple[str | int, ...], container: dict[str, Any]) -> list[dict[str, Any]]:
+    """Drop SETUID/SETGID from a container's capabilities (root without them cannot change its uid or gid)."""
+    context = container.get("securityContext")
+    if context is None:
+        return [{"op": "add", "path": _pointer(*path, "securityContext"),
+                 "value": {"capabilities": {"drop": DROPPED_CAPABILITIES}}}]  # fmt: skip
+    capabilities = context.get("capabilities")
+    if capabilities is None:
+        return [{"op": "add", "path": _pointer(*path, "securityContext", "capabilities"),
+                 "value": {"drop": DROPPED_CAPABILITIES}}]  # fmt: skip
+    dropped = {capability(c) for c in capabilities.get("drop") or []}
+    missing = [] if "ALL" in dropped else [c for c in DROPPED_CAPABILITIES if c not in dropped]
+    return _add_all((*path, "securityContext", "capabilities", "drop"), capabilities.get("drop"), missing)
 
 
 def verifier_name(pod: dict[str, Any], settings: InjectorSettings) -> str:
@@ -383,8 +445,28 @@ def admit(pod: dict[str, Any], namespace: str, namespace_label: str | None, sett
     if decision.inject:
         return Outcome(decision, inject_operations(pod, settings))
     if decision.reason == "already injected":
+        if _asks_injection(pod, namespace_label) and not _really_injected(pod, settings):
+            raise InjectionRefused(
+                f"the pod claims to be injected (annotation {INJECTED} or a container named {SIDECAR}) but lacks "
+                "the injector's containers: it would run unrecorded"
+            )
         return Outcome(decision, [])  # its annotations already say what happened: leave it byte for byte
     return Outcome(decision, _annotate(pod, SKIPPED, decision.reason))
+
+
+def _asks_injection(pod: dict[str, Any], namespace_label: str | None) -> bool:
+    metadata = pod.get("metadata") or {}
+    asked = [(metadata.get("annotations") or {}).get(INJECT), (metadata.get("labels") or {}).get(INJECT)]
+    return next((value == "enabled" for value in asked if value is not None), namespace_label == "enabled")
+
+
+def _really_injected(pod: dict[str, Any], settings: InjectorSettings) -> bool:
+    """The injector's three containers lead the init containers, as it writes them (image, command, args, user)."""
+    expected = [net_init_container(settings), ca_init_container(settings), sidecar_container(settings)]
+    found = ((pod.get("spec") or {}).get("initContainers") or [])[: len(expected)]
+    keys = ("name", "image", "command", "args", "securityContext")
+    injected = INJECTED in ((pod.get("metadata") or {}).get("annotations") or {})
+    return injected and [[c.get(k) for k in keys] for c in found] == [[c.get(k) for k in keys] for c in expected]
 
 
 def review(request_body: bytes, namespace_label: str | None, settings: InjectorSettings) -> dict[str, Any]:

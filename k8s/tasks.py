@@ -7,8 +7,9 @@
 - `command` (required): the harness, a string (run by `sh -c`) or a list (run as is). It runs in the rollout's
   own working folder (`/workspace` in a pod) with `FORGE_PROMPT`, `FORGE_EPISODE_ID`, `FORGE_TASK_ID`,
   `FORGE_RUN_ID` set. Its exit status is logged, not judged: the verifier decides the reward.
-- `verifier` (required): a string or list, run after the harness in the same folder. Reward: exit 0 → 1.0,
-  otherwise 0.0; or its last stdout line, when it is a number or `{"reward": R, "components": {...}}`.
+- `verifier` (required): a string or list, run after the harness in the same folder. Reward: a non-zero exit →
+  0.0; exit 0 → what it wrote to `$FORGE_VERDICT_FILE` (outside the folder), a number or
+  `{"reward": R, "components": {...}}`, else 1.0. Its stdout is not read (it runs agent-written code).
 - `prompt` (optional): the task's text, given as `FORGE_PROMPT`.
 - `image` (Kubernetes backend): the harness's image [default: `--image`]; `verifier_image`: the verifier's,
   which must hold `forge` (it posts the reward) [default: the OpenForge sidecar image].

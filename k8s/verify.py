@@ -11,6 +11,7 @@ import json
 import math
 import os
 import subprocess
+import tempfile
 import urllib.error
 import urllib.request
 import uuid
@@ -21,6 +22,9 @@ from typing import Any
 
 from forge.errors import ForgeError
 
+VERDICT_ENV = "FORGE_VERDICT_FILE"  # where the verifier writes its verdict (a number or {"reward", "components"})
+MAX_VERDICT_BYTES = 1 << 16
+VERIFIER_UID = 65534  # nobody: in a pod, the verifier (and the agent-written code it runs) cannot read the token
 TERMINATION_LOG = Path("/dev/termination-log")  # the kubelet copies it into the pod's status: the orchestrator reads it
 
 
@@ -36,47 +40,63 @@ class Verdict:
                 "detail": self.detail}  # fmt: skip
 
 
-def verdict_from(exit_code: int, stdout: str) -> Verdict:
-    """Exit 0 → 1.0, else 0.0; a last stdout line that is a number or {"reward", "components"} says otherwise."""
-    lines = [line for line in stdout.strip().splitlines() if line.strip()]
-    if lines:
-        try:
-            last = json.loads(lines[-1])
-        except json.JSONDecodeError:
-            last = None
-        if isinstance(last, int | float) and not isinstance(last, bool) and math.isfinite(last):
-            return Verdict(float(last), {}, exit_code, "reward printed by the verifier")
-        if isinstance(last, dict) and isinstance(last.get("reward"), int | float) and math.isfinite(last["reward"]):
-            components = last.get("components") or {}
-            if isinstance(components, dict):
-                numbers = {str(k): float(v) for k, v in components.items() if isinstance(v, int | float)}
-                return Verdict(float(last["reward"]), numbers, exit_code, "reward printed by the verifier")
-    return Verdict(1.0 if exit_code == 0 else 0.0, {}, exit_code, f"verifier exited {exit_code}")
-
-
-def run_verifier(command: tuple[str, ...], cwd: Path, env: dict[str, str], timeout_s: float) -> Verdict:
+def verdict_from(exit_code: int, written: str | None) -> Verdict:
+    """A non-zero exit is no reward, whatever was written; exit 0 → what the verifier wrote to its verdict file (a
+    number or {"reward", "components"}), else 1.0."""
+    if exit_code != 0:
+        return Verdict(0.0, {}, exit_code, f"verifier exited {exit_code}: no reward")
     try:
-        done = subprocess.run(
-            list(command), cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s, check=False
-        )
-    except subprocess.TimeoutExpired:
-        return Verdict(0.0, {}, -1, f"verifier timed out after {timeout_s:.0f} s")
+        found = json.loads(written or "null")
+    except json.JSONDecodeError:
+        found = None
+    components: dict[str, float] = {}
+    if isinstance(found, dict):
+        parts = found.get("components")
+        if isinstance(parts, dict):
+            components = {str(k): float(v) for k, v in parts.items() if isinstance(v, int | float)}
+        found = found.get("reward")
+    if isinstance(found, int | float) and not isinstance(found, bool) and math.isfinite(found):
+        return Verdict(float(found), components, 0, "reward written by the verifier")
+    return Verdict(1.0, {}, 0, "verifier exited 0")
+
+
+def run_verifier(
+    command: tuple[str, ...], cwd: Path, env: dict[str, str], timeout_s: float, uid: int | None = None
+) -> Verdict:
+    """Run the verifier in ``cwd`` (as ``uid`` when given); its verdict is what it writes to ``$FORGE_VERDICT_FILE``,
+    a fresh file outside the workspace, never its stdout (it runs agent-written code, which prints what it likes)."""
+    with tempfile.TemporaryDirectory(prefix="forge-verdict-") as folder:
+        verdict_file = Path(folder) / "verdict.json"
+        if uid is not None:
+            os.chown(folder, uid, uid)
+        try:
+            done = subprocess.run(
+                list(command), cwd=cwd, env={**env, VERDICT_ENV: str(verdict_file)}, capture_output=True, text=True,
+                timeout=timeout_s, check=False, user=uid, group=uid, extra_groups=[] if uid is not None else None,
+            )  # fmt: skip
+        except subprocess.TimeoutExpired:
+            return Verdict(0.0, {}, -1, f"verifier timed out after {timeout_s:.0f} s")
+        except OSError as error:
+            return Verdict(0.0, {}, -1, f"verifier could not start: {error.strerror}")
+        mine = verdict_file.is_file() and not verdict_file.is_symlink()  # a link could point at what root may read
+        written = verdict_file.read_text(errors="replace")[:MAX_VERDICT_BYTES] if mine else None
+    return verdict_from(done.returncode, written)
+
+
+def read_token(token_file: Path) -> str:
+    try:
+        return token_file.read_text().strip()
     except OSError as error:
-        return Verdict(0.0, {}, -1, f"verifier could not start: {error.strerror}")
-    return verdict_from(done.returncode, done.stdout)
+        raise ForgeError(f"cannot read the reward token {token_file}: {error.strerror}") from error
 
 
-def post_reward(admin_url: str, token_file: Path | None, episode_id: str, verdict: Verdict) -> None:
-    """POST the reward to the sidecar's admin endpoint, with the bearer token when a token file is given."""
+def post_reward(admin_url: str, token: str | None, episode_id: str, verdict: Verdict) -> None:
+    """POST the reward to the sidecar's admin endpoint, with the bearer token when one is given."""
     body = json.dumps({"episode_id": episode_id, "reward": verdict.reward, "components": verdict.components,
                        "source": "verifier"}).encode()  # fmt: skip
     request = urllib.request.Request(f"{admin_url.rstrip('/')}/reward", data=body, method="POST")
     request.add_header("content-type", "application/json")
-    if token_file is not None:
-        try:
-            token = token_file.read_text().strip()
-        except OSError as error:
-            raise ForgeError(f"cannot read the reward token {token_file}: {error.strerror}") from error
+    if token is not None:
         request.add_header("authorization", f"Bearer {token}")
     try:
         with urllib.request.urlopen(request, timeout=10) as answer:
@@ -105,17 +125,18 @@ def write_reward(store_uri: str, s3_endpoint: str | None, run_id: str, episode_i
 def verify_in_pod(
     command: tuple[str, ...], cwd: Path, timeout_s: float, termination_log: Path = TERMINATION_LOG
 ) -> Verdict:
-    """`forge verify` in a rollout pod: run the verifier, post its reward to the sidecar, leave the verdict in the
-    termination log for the orchestrator."""
+    """`forge verify` in a rollout pod: read the reward token, run the verifier (as ``VERIFIER_UID`` when run as root,
+    without the token's path), post its reward to the sidecar, leave the verdict in the termination log for the
+    orchestrator."""
     env = dict(os.environ)
-    verdict = run_verifier(command, cwd, env, timeout_s)
     episode = env.get("FORGE_EPISODE_ID") or env.get("POD_UID")
     if not episode:
         raise ForgeError("no episode id: FORGE_EPISODE_ID and POD_UID are both unset (is the pod injected?)")
-    token = env.get("FORGE_REWARD_TOKEN_FILE")
-    post_reward(
-        env.get("FORGE_ADMIN_URL") or "http://127.0.0.1:15002", Path(token) if token else None, episode, verdict
-    )
+    token_file = env.pop("FORGE_REWARD_TOKEN_FILE", None)
+    token = read_token(Path(token_file)) if token_file else None  # read before the verifier runs, never after
+    uid = VERIFIER_UID if os.geteuid() == 0 else None
+    verdict = run_verifier(command, cwd, env, timeout_s, uid)
+    post_reward(env.get("FORGE_ADMIN_URL") or "http://127.0.0.1:15002", token, episode, verdict)
     with contextlib.suppress(OSError):  # not in a pod: the verdict is printed anyway
         termination_log.write_text(json.dumps(verdict.as_json()))
     return verdict

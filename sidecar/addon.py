@@ -48,7 +48,7 @@ from sidecar import apis, codec, harness, identity, transparent
 from sidecar.admin import DEFAULT_TOKEN_FILE, AdminServer, TokenFileError, create_token_file, read_token_file
 from sidecar.apis.base import Sampled, Served, StreamState, WireApi
 from sidecar.apis.errors import error_body, error_headers
-from sidecar.continuation import Continuations, Decision, note_of
+from sidecar.continuation import Continuations, Decision, caused_by_tokens_in, note_of
 from sidecar.guard import PolicyGuard
 from sidecar.metrics import Metrics
 from sidecar.policy import announced_policy, policy_context
@@ -221,7 +221,13 @@ class Forge:
                 ctx.master.shutdown()
                 return
             self.secrets.append(token)  # scrubbed should a harness ever send it (it cannot read it in a pod)
-            self.admin = AdminServer(("127.0.0.1", o.forge_admin_port), self.writer, self.metrics, token).start()
+            # In a pod, rewards for its own episode only (unless the operator lets clients choose episodes).
+            own = (
+                (o.forge_episode_id or self.pod_episode)
+                if self.pod_episode and not o.forge_trust_episode_header
+                else None
+            )
+            self.admin = AdminServer(("127.0.0.1", o.forge_admin_port), self.writer, self.metrics, token, own).start()
         log.info("OpenForge sidecar %s: upstream %s, store %s", self.sidecar_id, o.forge_upstream, store.uri)
 
     def _reward_token(self, wal_dir: Path) -> str:
@@ -287,8 +293,10 @@ class Forge:
         with ThreadPoolExecutor(max_workers=8, thread_name_prefix="forge-poll") as pool:
             while not self.stop.is_set():
                 try:
-                    for change in self.replicas.refresh():
-                        log.warning("policy replicas: %s", change)
+                    if changes := self.replicas.refresh():
+                        for change in changes:
+                            log.warning("policy replicas: %s", change)
+                        self._forget_gone()
                     replicas = self.replicas.all()
                     for replica, failure in zip(replicas, pool.map(self._poll, replicas), strict=True):
                         self._mark(replica, failure is None, failure)
@@ -296,6 +304,18 @@ class Forge:
                 except Exception as error:  # the poller never dies
                     self._internal_error("policy poll", error)
                 self.stop.wait(interval)
+
+    def _forget_gone(self) -> None:
+        """Replicas DNS no longer lists: their version clients (and threads), tokens-in clients and gauges go too."""
+        known = {replica.url for replica in self.replicas.all()}
+        for url in [url for url in self.versions if url not in known]:
+            self.versions.pop(url).stop()
+        for url in [url for url in self.continuations if url not in known]:
+            del self.continuations[url]
+        for url in [url for url in self.context_asked if url not in known]:
+            del self.context_asked[url]
+        for url in self.replicas.gone:
+            self.metrics.remove(f'replica_up{{replica="{url}"}}')
 
     def _poll(self, replica: Replica) -> str | None:
         try:
@@ -460,8 +480,26 @@ class Forge:
                 continue
             route = self.replicas.route(moved.episode_id, exclude=tried)
             moved.replica, moved.moved_from, moved.moved_why = replica, route.moved_from, route.why
+            self._bound_again(flow, moved, replica)
             if not self.policy_version:
                 moved.policy_version, moved.version_why = await self._clock(replica).before()
+
+    def _bound_again(self, flow: http.HTTPFlow, call: Call, replica: Replica) -> None:
+        """A call moved to another replica is bounded by that one's context (it was by the one it left)."""
+        if call.bound is None or call.bound.context == replica.context:
+            return
+        try:
+            body = codec.loads(flow.request.content or b"")
+            served_api = apis.api_for("POST", flow.request.path)  # chat for Messages, completions for tokens-in
+            if not isinstance(body, dict) or served_api not in apis.MAX_TOKEN_FIELDS:
+                return
+            bound = apis.bound_completion(served_api, body, ctx.options.forge_max_completion_tokens, replica.context)
+            content = codec.dumps(body)
+        except Exception as error:  # the call goes as it is: the new replica judges its bound
+            self._internal_error("bound again", error)
+            return
+        call.bound = apis.CompletionBound(call.bound.requested, bound.sent, replica.context)
+        flow.request.content = content
 
     def _connected(self, flow: http.HTTPFlow) -> None:
         """The flow no longer waits for a connection to its replica."""
@@ -499,7 +537,7 @@ class Forge:
         if call is None or call.recorded:
             return
         try:
-            failed = flow.response is not None and flow.response.status_code >= 400
+            failed = flow.response is not None and caused_by_tokens_in(flow.response.status_code)
             tokens_in = call.continuation is not None and call.continuation.state == "tokens_in"
             if (
                 failed
@@ -547,6 +585,8 @@ class Forge:
         self, flow: http.HTTPFlow, api: str, identity: tuple[str, str | None, str], route: Route,
         headers: dict[str, str],
     ) -> None:  # fmt: skip
+        """Begin a model call: its record-to-be, then its upstream request, prepared whole before any of it is
+        applied, so that a failure half way never sends a half-prepared call."""
         episode, task, run = identity
         assert self.writer is not None
         seq = self.writer.next_seq(episode)
@@ -558,15 +598,37 @@ class Forge:
             host=flow.request.host_header or flow.request.pretty_host, path=flow.request.path.split("?", 1)[0],
         )  # fmt: skip
         call.user_agent = headers.get("user-agent")
+        call.replica, call.moved_from, call.moved_why = route.replica, route.moved_from, route.why
         flow.metadata["forge_call"] = call
         self.in_flight[call.call_id] = (flow, call)
+        try:
+            prepared = self._prepare(flow, call, headers, route.replica)
+        except Exception as error:  # our code failed on an odd request: its API's error, never a half-prepared call
+            self.metrics.inc("requests_unprepared_total")
+            log.error("a model call could not be prepared (%s); answered 500, not sent", type(error).__name__)
+            call.error = f"request not prepared ({type(error).__name__}: {scrub_text(str(error), call.secrets)})"
+            flow.metadata["forge_answered"] = True
+            message = "The proxy could not prepare this request for the model; it was not sent."
+            flow.response = http.Response.make(500, error_body(api, 500, message, "proxy_error"), error_headers(api))
+            self._record(flow, call, status="error")
+            return
+        # Applied at once, after everything that can fail: the upstream gets the whole prepared call or the original.
         self._strip_hop_secrets(flow)
         self._route(flow, route.replica)
-        call.replica, call.moved_from, call.moved_why = route.replica, route.moved_from, route.why
+        if prepared is not None:
+            flow.request.headers.pop("content-encoding", None)  # vLLM reads no gzip/br/zstd bodies: sent decoded
+            flow.request.path, flow.request.content = prepared
+
+    def _prepare(
+        self, flow: http.HTTPFlow, call: Call, headers: dict[str, str], replica: Replica
+    ) -> tuple[str, bytes] | None:  # fmt: skip
+        """A model call's upstream path and body (the policy's model name, the completion bound, the ids asked),
+        with what its record says of the request set on ``call``; None: it goes on as it came (not a JSON object,
+        or not translatable: vLLM judges it). Reads the flow, changes none of it."""
+        api = call.api
         try:
-            flow.request.decode(strict=True)  # vLLM reads no gzip/br/zstd bodies: send them on decoded
-            content = flow.request.raw_content
-            body = codec.loads(content or b"")
+            content = flow.request.get_content(strict=True) or b""
+            body = codec.loads(content)
             if not isinstance(body, dict):
                 raise ValueError("the body is not a JSON object")
         except ValueError as error:  # malformed JSON, non-JSON content type, undecodable encoding
@@ -575,33 +637,35 @@ class Forge:
                 {"note": "unparsable request", "bytes": len(flow.request.raw_content or b"")}
             )
             call.harness = harness.detect(api, headers, None)
-            return
+            return None
         call.secrets += secrets_in_body(body)
         call.harness = harness.detect(api, headers, body)
-        size = len(content or b"")
+        size = len(content)
         # The record keeps the request as the harness sent it (redacted), not as the upstream got it.
         call.request_json = (
             redacted_text(content.decode("utf-8", "replace"), call.secrets)
             if size <= MAX_RECORDED_BODY
             else json.dumps({"note": "request body too large to copy", "bytes": size})
         )
+        if apis.drop_internal_fields(body):
+            self.metrics.inc("internal_fields_dropped_total")
         model = body.get("model")  # a harness may send any JSON here: a name that is not a string is kept as JSON
         call.model_requested = model if isinstance(model, str) or model is None else json.dumps(model)
         served = self._served_model(call.model_requested)
         if served:
             body["model"] = served
         call.policy_model = self.policy_model
-        call.bound = apis.bound_completion(api, body, ctx.options.forge_max_completion_tokens, route.replica.context)
-        call.module = apis.module_for(api)
+        bound = apis.bound_completion(api, body, ctx.options.forge_max_completion_tokens, replica.context)
+        module = apis.module_for(api)
         try:
-            call.added = call.module.prepare_request(api, body)
+            added = module.prepare_request(api, body)
         except ValueError as error:  # a request we cannot translate goes on as it came; vLLM judges it
             call.error = f"request not translated ({error}); passed through unchanged"
-            return
-        if call.added.upstream_path:
-            flow.request.path = call.added.upstream_path
+            return None
+        prepared = (added.upstream_path or flow.request.path, codec.dumps(body))
+        call.bound, call.module, call.added = bound, module, added
         call.sampling = json.dumps({k: body[k] for k in SAMPLING_KEYS if k in body}, sort_keys=True)
-        flow.request.content = codec.dumps(body)
+        return prepared
 
     def _map_model(self, flow: http.HTTPFlow) -> None:
         try:

@@ -5,8 +5,10 @@ The agent under training shares the pod's loopback and runs shell commands, so t
 a reward is taken only with ``Authorization: Bearer <token>``, the token read from a file the harness's uid
 cannot read (``--reward-token-file``; by default a random one the sidecar writes, mode 0600, into its WAL
 folder). Without a token the answer is 401, with a wrong one 403, and nothing is written. The record's
-``source`` is set here (``admin:verifier``), never taken from the caller. Every accepted reward is kept; the
-collector counts the latest per episode (or call), and all stay queryable in ``rewards``.
+``source`` is set here (``admin:verifier``), never taken from the caller. In a pod (``episode`` given) only the
+pod's own episode takes a reward: one Secret serves every pod, and its holder must not set a sibling's (403,
+counted as ``reward_refused_total{reason="other_episode"}``). Every accepted reward is kept; the collector counts
+the latest per episode (or call), and all stay queryable in ``rewards``.
 """
 
 import hmac
@@ -102,7 +104,9 @@ def bearer_token(authorization: str | None) -> str | None:
 
 
 class AdminServer:
-    def __init__(self, address: tuple[str, int], writer: RecordWriter, metrics: Metrics, token: str) -> None:
+    def __init__(
+        self, address: tuple[str, int], writer: RecordWriter, metrics: Metrics, token: str, episode: str | None = None
+    ) -> None:
         if len(token) < MIN_TOKEN_LEN:
             raise TokenFileError(f"the reward token must be at least {MIN_TOKEN_LEN} characters")
         expected = token.encode()
@@ -158,6 +162,10 @@ class AdminServer:
                     row = reward_row(json.loads(self.rfile.read(length) or b"null"), source=REWARD_SOURCE)
                 except (RewardError, ValueError) as error:
                     self.reply(400, {"error": str(error)})
+                    return
+                if episode is not None and row["episode_id"] != episode:
+                    metrics.inc('reward_refused_total{reason="other_episode"}')
+                    self.reply(403, {"error": f"this sidecar takes rewards for its pod's episode ({episode}) only"})
                     return
                 if writer.append("rewards", row) is None:
                     self.reply(503, {"error": "the write-ahead log is full; reward not recorded"})

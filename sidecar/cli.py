@@ -289,12 +289,18 @@ def port_list(value: str, option: str) -> tuple[int, ...]:
 @click.option("--ports", default="80,443", show_default=True, help="Outbound TCP ports sent to the sidecar.")
 @click.option("--exclude-cidr", multiple=True, help="Destination network never redirected (v4 or v6); repeatable.")
 @click.option("--exclude-port", multiple=True, help="Destination port never redirected; repeatable or 1,2.")
+@click.option(
+    "--reject-port",
+    multiple=True,
+    help="Destination port only the sidecar's uid may reach (the policy "
+    "server's: its admin routes, and calls that would go unrecorded); repeatable or 1,2.",
+)
 @click.option("--ipv4-only", is_flag=True, help="Leave ip6tables alone (a kernel without IPv6).")
 @click.option("--dry-run", is_flag=True, help="Print the rules, change nothing.")
 @click.option("--cleanup", is_flag=True, help="Remove exactly what net-init added.")
 def net_init_command(
     proxy_uid: int, proxy_gid: int | None, proxy_port: int, ports: str, exclude_cidr: tuple[str, ...],
-    exclude_port: tuple[str, ...], ipv4_only: bool, dry_run: bool, cleanup: bool,
+    exclude_port: tuple[str, ...], reject_port: tuple[str, ...], ipv4_only: bool, dry_run: bool, cleanup: bool,
 ) -> None:  # fmt: skip
     """Send the pod's outbound 80/443 to the sidecar (iptables and ip6tables nat rules), as an init container.
 
@@ -315,6 +321,7 @@ def net_init_command(
         proxy_uid=proxy_uid, proxy_gid=proxy_gid, proxy_port=proxy_port, ports=port_list(ports, "--ports"),
         exclude_cidrs=tuple(c for item in exclude_cidr for c in item.split(",") if c),
         exclude_ports=tuple(p for item in exclude_port for p in port_list(item, "--exclude-port")),
+        reject_ports=tuple(p for item in reject_port for p in port_list(item, "--reject-port")),
         families=families,
     )  # fmt: skip
     if dry_run:

@@ -26,11 +26,16 @@ def loads(data: bytes | str) -> Any:
 
 
 def dumps(value: Any) -> bytes:
-    """Compact UTF-8 JSON (no spaces, no ASCII escapes)."""
+    """Compact UTF-8 JSON (no spaces, no ASCII escapes; where a string holds a lone surrogate, which UTF-8 cannot
+    carry, every non-ASCII character is escaped, so the surrogate travels as the ``\\ud83d`` the harness sent)."""
     try:
         return _encoder.encode(value)
     except (TypeError, UnicodeEncodeError, msgspec.EncodeError):
-        return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
+        text = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    try:
+        return text.encode()
+    except UnicodeEncodeError:
+        return json.dumps(value, separators=(",", ":")).encode()
 
 
 def dumps_text(value: Any, default: Any = None) -> str:

@@ -47,9 +47,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from sidecar import codec
 from sidecar.apis import CompletionBound, responses
 from sidecar.apis.base import Sampled, Served, compact
 from sidecar.apis.base import StreamState as BaseStreamState
+from sidecar.apis.errors import error_body, error_headers
 from sidecar.sse import DONE, parse_event
 
 if TYPE_CHECKING:  # the addon imports this module; these are only its types
@@ -65,6 +67,7 @@ RESPONSES_RENDER_PATH = "/v1/responses/render"
 REUSED_IDS = "prompt_token_ids"  # vLLM's decode-side token reuse: kv_transfer_params[REUSED_IDS] is the prompt
 COMPLETIONS_PATH = "/v1/completions"
 HTTP_TIMEOUT_S = 10.0
+TOKENS_IN_FAULTS = frozenset({400, 404, 413, 422})  # answers of /v1/completions a chat request would not get
 MAX_CANDIDATES = 2  # earlier calls whose text is compared (each costs two /detokenize calls)
 DECODE_BACKOFF = 8  # decode from a few ids before the divergence: never start inside a multi-byte character
 # The rendered sampling parameters passed on to /v1/completions by the same name; those ignored (vLLM's internal
@@ -601,24 +604,25 @@ class Continuations:
         call.continuation = decision
         if request is None:
             return
+        content = codec.dumps(request)  # before anything changes: the call goes whole, tokens-in or not
         decision.original_body = flow.request.content or b""
         decision.inner_added = call.added
         if call.api == "responses":
             call.added = ReusedIds(inner=call.added, prompt_ids=request["kv_transfer_params"][REUSED_IDS],
                                    decision=decision)  # fmt: skip
-            flow.request.content = compact(request).encode()
+            flow.request.content = content
             return
         call.added = Additions(
             inner=call.added, stream=bool(request.get("stream")),
             tools=bool(body.get("tools")) and body.get("tool_choice") in (None, "auto"),
             prompt_ids=request["prompt"], note=decision.note or "",
         )  # fmt: skip
-        flow.request.path = COMPLETIONS_PATH
-        flow.request.content = compact(request).encode()
+        flow.request.path, flow.request.content = COMPLETIONS_PATH, content
 
     async def fall_back(self, forge: "Forge", flow: "http.HTTPFlow", call: "Call") -> bool:
-        """The tokens-in answer is an error: ask the normal path instead and give the harness that answer. True
-        when the call was recorded here (a stream, passed through the inner module's stream state)."""
+        """The tokens-in answer is an error it could have caused (``caused_by_tokens_in``): ask the normal path
+        instead and give the harness that answer. True when the call was recorded here (a stream, passed through
+        the inner module's stream state, or a normal path that could not be reached: the API's 502)."""
         from mitmproxy import http
 
         from sidecar.sse import EventFramer
@@ -645,7 +649,16 @@ class Continuations:
             except urllib.error.HTTPError as error:
                 return error.code, error.read(), error.headers.get("content-type", "")
 
-        status, content, kind = await asyncio.to_thread(ask)
+        try:
+            status, content, kind = await asyncio.to_thread(ask)
+        except OSError as error:  # refused, timed out: the harness gets its API's 502, never tokens-in's answer
+            call.error = f"tokens-in failed and the normal path could not be reached ({type(error).__name__})"
+            message = "The policy server is unavailable; the call was recorded as failed."
+            flow.response = http.Response.make(
+                502, error_body(call.api, 502, message, "policy_unavailable"), error_headers(call.api)
+            )
+            forge._record(flow, call, status="upstream_error")
+            return True
         flow.response = http.Response.make(status, content, {"content-type": kind or "application/json"})
         if status < 400 and call.added.stream and "text/event-stream" in kind:
             call.stream = call.added.stream_state()
@@ -654,6 +667,12 @@ class Continuations:
             flow.response.content = b"".join(out)
             return True
         return False
+
+
+def caused_by_tokens_in(status: int) -> bool:
+    """An error answer the tokens-in request itself may have caused (its token-id prompt, its parameters); a server
+    that is down, overloaded or refuses the key answers the normal path the same way: not asked again."""
+    return status in TOKENS_IN_FAULTS
 
 
 def note_of(decision: Decision | None, note: str | None) -> str | None:

@@ -62,7 +62,7 @@ def _text(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(part.get("text") or "" for part in content if isinstance(part, dict))
+        return "".join(text for part in content if isinstance(part, dict) and isinstance(text := part.get("text"), str))
     return ""
 
 
@@ -72,7 +72,7 @@ def system_prompt(api: str, body: Mapping[str, Any]) -> str:
     if api == "messages":
         system = body.get("system")
         blocks = system if isinstance(system, list) else [{"text": system}] if isinstance(system, str) else []
-        texts = [b.get("text") or "" for b in blocks if isinstance(b, dict)]
+        texts = [t for b in blocks if isinstance(b, dict) and isinstance(t := b.get("text"), str)]
         texts = [t for t in texts if not t.startswith("x-anthropic-billing-header")]
     elif api == "responses":
         texts = [body["instructions"]] if isinstance(body.get("instructions"), str) else []

@@ -38,10 +38,11 @@ class Rules:
 
 def header_map(headers: "http.Headers") -> dict[str, str]:
     """A request's headers as lower-case name → first value, read from mitmproxy's raw fields in one pass (its
-    multidict lookups cost more than the whole read when a call asks for several)."""
+    multidict lookups cost more than the whole read when a call asks for several). Bytes that are not UTF-8 become
+    U+FFFD: a lone surrogate (``surrogateescape``) could not be bound by the WAL's SQLite or written as UTF-8."""
     found: dict[str, str] = {}
     for name, value in headers.fields:
-        found.setdefault(name.decode("latin-1").lower(), value.decode("utf-8", "surrogateescape"))
+        found.setdefault(name.decode("latin-1").lower(), value.decode("utf-8", "replace"))
     return found
 
 

@@ -16,6 +16,11 @@ class Metrics:
         with self._lock:
             self._values[name] = value
 
+    def remove(self, name: str) -> None:
+        """Forget a series (a gauge of something that is gone)."""
+        with self._lock:
+            self._values.pop(name, None)
+
     def get(self, name: str) -> float:
         return self._values.get(name, 0)
 

@@ -48,7 +48,11 @@ log = logging.getLogger("openforge.sidecar")
 WAL_FILE = "wal.sqlite"
 FSYNC_POLICIES = {"always": "FULL", "interval": "NORMAL", "never": "OFF"}
 CHECKPOINT_INTERVAL_S = 1.0
-HOLD_S = 3.0  # the longest a row waits for a value still to come (``complete``) before it is batched without it
+# The longest a row waits for a value still to come (``complete``) before it is batched without it: as long as the
+# version question after a call takes when the server is busy (vLLM answers it between engine steps: a fresh
+# server's first steps took over 10 s; sidecar/version.py), with room for calls that ended while an earlier
+# question was out. Only a slow answer makes rows wait (the rows after a held one wait with it, to keep their order).
+HOLD_S = 45.0
 MAX_EPISODE_COUNTERS = 100_000  # seq counters kept; the least recently used beyond this are forgotten
 # The id columns travel as packed little-endian bytes and become list arrays without a Python loop.
 ID_COLUMNS = {"prompt_suffix_ids": "i", "completion_token_ids": "i", "completion_logprobs": "f"}

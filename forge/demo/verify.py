@@ -1,7 +1,7 @@
 """The demo's verifiers: `python -m forge.demo.verify TASK`, run in the rollout's folder after the harness.
 
-Reward = 0.4 × format + 0.6 × outcome, printed as the last stdout line ``{"reward": R, "components": {...}}``
-(`forge rollout`'s verifier contract, k8s/verify.py):
+Reward = 0.4 × format + 0.6 × outcome, written as ``{"reward": R, "components": {...}}`` to ``$FORGE_VERDICT_FILE``
+(`forge rollout`'s verifier contract, k8s/verify.py) and printed:
 - format: the share of the model's turns that mini-swe-agent could run — exactly one ```bash block — read from
   the harness's own trajectory (``traj.json``: an assistant message per action it ran, a ``FormatError``
   message per answer it rejected). A habit a 135M policy can learn: the signal GRPO needs within a group.
@@ -10,6 +10,7 @@ Nothing here trusts what the model says it did; a missing or unreadable trajecto
 """
 
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -79,7 +80,10 @@ def main(argv: list[str]) -> int:
     if len(argv) != 1 or argv[0] not in CHECKS:
         print(f"usage: python -m forge.demo.verify {{{','.join(CHECKS)}}}", file=sys.stderr)
         return 2
-    print(json.dumps(verdict(argv[0], Path.cwd())))
+    found = json.dumps(verdict(argv[0], Path.cwd()))
+    if target := os.environ.get("FORGE_VERDICT_FILE"):
+        Path(target).write_text(found)
+    print(found)
     return 0
 
 

@@ -23,6 +23,16 @@ MAX_TOKEN_FIELDS = {
 }  # fmt: skip
 # Where a request sets several, the one the server obeys comes first (vLLM's chat: max_completion_tokens).
 EFFECTIVE_ORDER = {"chat": ("max_completion_tokens", "max_tokens")}
+# Request fields of vLLM's own that no OpenAI or Anthropic client sends and that steer its internals: the prompt
+# (prompt ids given through kv_transfer_params, another chat template, no generation prompt), the prefix cache
+# (cache_salt: the sidecar's per-version salt), scheduling, request ids, custom processors. The harness's are
+# dropped before the sidecar adds its own (vLLM 0.32's ChatCompletionRequest/CompletionRequest/ResponsesRequest).
+INTERNAL_FIELDS = frozenset({
+    "kv_transfer_params", "ec_transfer_params", "cache_salt", "priority", "vllm_xargs", "request_id",
+    "chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "add_special_tokens",
+    "mm_processor_kwargs", "media_io_kwargs", "mm_payload", "return_mm_kwargs", "routed_experts_prompt_start",
+    "return_tokens_as_token_ids", "truncate_prompt_tokens", "truncation_side", "stream_interval",
+})  # fmt: skip
 
 
 def api_for(method: str, path: str) -> str | None:
@@ -42,6 +52,14 @@ def api_for(method: str, path: str) -> str | None:
         if path.endswith(responses.PATHS):
             return "responses_socket"
     return None
+
+
+def drop_internal_fields(body: dict[str, Any]) -> list[str]:
+    """Remove (in place) the fields of ``INTERNAL_FIELDS`` a request carries; their names."""
+    dropped = sorted(INTERNAL_FIELDS.intersection(body))
+    for name in dropped:
+        del body[name]
+    return dropped
 
 
 def module_for(api: str) -> WireApi:
@@ -71,7 +89,21 @@ class CompletionBound:
 
 
 def _bound(value: object) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+    """A completion bound as vLLM reads it (pydantic's lax integer: 100, 100.0, "100", " 100 ", "100.0"); None when
+    the value is not one (the server judges it)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        return int(value) if value.is_integer() else None
+    if isinstance(value, str):
+        whole, _, fraction = value.strip().partition(".")
+        try:
+            return int(whole) if not fraction.strip("0") else None
+        except ValueError:
+            return None
+    return None
 
 
 def _effective(api: str, body: dict[str, Any]) -> int | None:

@@ -56,8 +56,8 @@ def _text_of_system(content: Any) -> str | None:
     parts = [
         block["text"]
         for block in content or []
-        if isinstance(block, dict) and block.get("type") == "text" and block.get("text")
-        and not block["text"].startswith(BILLING_PREFIX)
+        if isinstance(block, dict) and block.get("type") == "text" and isinstance(block.get("text"), str)
+        and block["text"] and not block["text"].startswith(BILLING_PREFIX)
     ]  # fmt: skip
     return "".join(parts) if parts else None
 

@@ -96,8 +96,9 @@ def _flat_tools(tools: list[Any]) -> list[Any]:
 
 
 def _tool_key(tool: Any) -> tuple[Any, ...]:
-    if isinstance(tool, dict):
-        return (tool.get("type"), tool.get("name"))
+    """Tools of one type and name are one tool; a tool named by anything but a string is its own."""
+    if isinstance(tool, dict) and isinstance(tool.get("type"), str) and isinstance(tool.get("name"), str):
+        return (tool["type"], tool["name"])
     return (id(tool),)
 
 

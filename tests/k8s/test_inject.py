@@ -40,6 +40,15 @@ CASES: dict[str, str | None] = {
     "refused-volume-name-taken": "enabled",
     "refused-app-runs-as-proxy-uid": "enabled",
     "refused-app-adds-net-admin": "enabled",
+    "refused-host-pid": "enabled",
+    "refused-host-path": "enabled",
+    "refused-reward-secret-in-env": "enabled",
+    "refused-reward-secret-env-from": "enabled",
+    "refused-app-adds-cap-net-admin-lower-case": "enabled",
+    "refused-app-adds-all-lower-case": "enabled",
+    "refused-app-adds-setuid": "enabled",
+    "refused-claims-injected": "enabled",
+    "refused-sidecar-named-container": "enabled",
 }
 KUBERNETES_VERSIONS = ("1.33.0", "1.37.0")  # native sidecars are GA from 1.33
 
@@ -95,6 +104,16 @@ def test_exactly_the_opted_in_pods_are_injected():
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
 def test_every_patched_pod_validates_strictly(case, version):
     kubernetes_validate.validate(patched_pod(case), version, strict=True)
+
+
+@pytest.mark.parametrize("case", INJECTED_CASES)
+def test_no_app_container_can_change_its_uid_or_gid(case):
+    """Root with CAP_SETUID/SETGID (a container's default) could become uid 1337, whose traffic is not redirected."""
+    pod = patched_pod(case)
+    for container in pod["spec"]["initContainers"] + pod["spec"]["containers"]:
+        if container["name"] not in inject.OUR_CONTAINERS:
+            dropped = set(container["securityContext"]["capabilities"]["drop"])
+            assert {"SETUID", "SETGID"} <= dropped or "ALL" in dropped, container["name"]
 
 
 @pytest.mark.parametrize("case", INJECTED_CASES)
@@ -184,6 +203,15 @@ def test_an_already_injected_pod_is_left_byte_for_byte():
         ("refused-volume-name-taken", "already has a volume named openforge-wal"),
         ("refused-app-runs-as-proxy-uid", "container harness runs as uid 1337, the sidecar's"),
         ("refused-app-adds-net-admin", "container harness adds NET_ADMIN"),
+        ("refused-host-pid", "hostPID"),
+        ("refused-host-path", "volume node-root is a hostPath"),
+        ("refused-reward-secret-in-env", "container harness takes the reward credential into its environment"),
+        ("refused-reward-secret-env-from", "container harness takes the reward credential into its environment"),
+        ("refused-app-adds-cap-net-admin-lower-case", "container harness adds NET_ADMIN"),
+        ("refused-app-adds-all-lower-case", "container harness adds ALL"),
+        ("refused-app-adds-setuid", "container harness adds SETUID"),
+        ("refused-claims-injected", "claims to be injected"),
+        ("refused-sidecar-named-container", "claims to be injected"),
     ],
 )
 def test_a_pod_that_cannot_be_injected_safely_is_refused_with_the_reason(case, reason):

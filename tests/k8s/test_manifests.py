@@ -2,6 +2,7 @@
 every object validated with kubernetes-validate --strict (its command line, as a user would run it)."""
 
 import base64
+import json
 import shutil
 import subprocess
 import sys
@@ -106,3 +107,23 @@ def test_without_the_certificates_kustomize_says_which_file_is_missing(tmp_path)
     shutil.copytree(K8S, copy, ignore=shutil.ignore_patterns("*.py", "__pycache__", "certs"))
     done = subprocess.run([str(KUBECTL), "kustomize", str(copy)], capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "certs/" in done.stderr
+
+
+def test_only_rollout_pods_and_the_trainer_reach_the_policy_server(rendered):
+    """Ingress to the policy pods (their admin routes included): the rollout pods, where net-init lets only the
+    sidecar's uid reach the port, and the trainer, which publishes. Nothing else in the cluster."""
+    _, objects = rendered
+    policy = next(o for o in by_kind(objects, "Deployment") if o["metadata"]["name"] == "openforge-policy")
+    labels = policy["spec"]["template"]["metadata"]["labels"]
+    guarding = [
+        p for p in by_kind(objects, "NetworkPolicy")
+        if p["metadata"]["namespace"] == "openforge-system" and "Ingress" in p["spec"]["policyTypes"]
+        and p["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+    ]  # fmt: skip
+    assert len(guarding) == 1
+    (rule,) = guarding[0]["spec"]["ingress"]
+    assert rule["ports"] == [{"protocol": "TCP", "port": 8000}]
+    assert sorted(rule["from"], key=json.dumps) == sorted([
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "openforge-rollouts"}}},
+        {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "openforge-trainer"}}},
+    ], key=json.dumps)  # fmt: skip

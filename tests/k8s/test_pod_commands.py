@@ -1,12 +1,16 @@
 """The injected containers' commands, run as the sidecar image would run them: the sidecar environment's Python
 with only the files k8s/images/sidecar.Dockerfile copies (no Docker here: the same layout in a folder)."""
 
+import contextlib
 import http.server
 import json
+import os
 import re
 import shutil
 import subprocess
+import tempfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -109,12 +113,12 @@ def test_the_probe_passes_only_while_the_admin_endpoint_answers(image_src):
     assert down.returncode == 2 and "does not answer" in down.stderr
 
 
-def test_the_verifier_posts_its_reward_with_the_token_and_leaves_its_verdict(image_src, tmp_path):
+@contextlib.contextmanager
+def fake_admin() -> Iterator[tuple[str, list[tuple[str | None, dict]]]]:
+    """Stands in for the sidecar's admin endpoint: its URL, and the (authorization, body) of each POST."""
     received: list[tuple[str | None, dict]] = []
 
     class Admin(http.server.BaseHTTPRequestHandler):
-        """Stands in for the sidecar's admin endpoint (its token check lands with the reward-credential work)."""
-
         def do_POST(self) -> None:
             body = json.loads(self.rfile.read(int(self.headers["content-length"])))
             received.append((self.headers.get("authorization"), body))
@@ -128,23 +132,53 @@ def test_the_verifier_posts_its_reward_with_the_token_and_leaves_its_verdict(ima
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Admin)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    (tmp_path / "token").write_text("s3cret-token\n")
-    (tmp_path / "answer.txt").write_text("5")
-    env = {"FORGE_ADMIN_URL": f"http://127.0.0.1:{server.server_address[1]}", "FORGE_EPISODE_ID": "run.add.0",
-           "FORGE_REWARD_TOKEN_FILE": str(tmp_path / "token")}  # fmt: skip
-    log = tmp_path / "termination-log"
     try:
-        done = subprocess.run(
-            [str(SIDECAR_PYTHON), "-m", "k8s.pod", "verify", "--termination-log", str(log), "--",
-             "sh", "-c", 'test "$(cat answer.txt)" = 5 && echo \'{"reward": 1, "components": {"exact": 1}}\''],
-            capture_output=True, text=True, timeout=60, cwd=tmp_path,
-            env={"PYTHONPATH": str(image_src), "PATH": "/usr/bin:/bin", **env},
-        )  # fmt: skip
+        yield f"http://127.0.0.1:{server.server_address[1]}", received
     finally:
         server.shutdown()
         server.server_close()
+
+
+def verify_in_workspace(image_src: Path, tmp_path: Path, admin_url: str, script: str) -> subprocess.CompletedProcess:
+    """`forge verify -- sh -c SCRIPT` in a workspace any uid may enter (a pod's emptyDir), the token in tmp_path."""
+    (tmp_path / "token").write_text("s3cret-token\n")
+    (tmp_path / "token").chmod(0o600)
+    workspace = Path(tempfile.mkdtemp(prefix="forge-workspace-"))
+    workspace.chmod(0o755)
+    (workspace / "answer.txt").write_text("5")
+    env = {"FORGE_ADMIN_URL": admin_url, "FORGE_EPISODE_ID": "run.add.0",
+           "FORGE_REWARD_TOKEN_FILE": str(tmp_path / "token")}  # fmt: skip
+    try:
+        return subprocess.run(
+            [str(SIDECAR_PYTHON), "-m", "k8s.pod", "verify", "--termination-log", str(tmp_path / "termination-log"),
+             "--", "sh", "-c", script],
+            capture_output=True, text=True, timeout=60, cwd=workspace,
+            env={"PYTHONPATH": str(image_src), "PATH": "/usr/bin:/bin", **env},
+        )  # fmt: skip
+    finally:
+        shutil.rmtree(workspace)
+
+
+def test_the_verifier_posts_its_reward_with_the_token_and_leaves_its_verdict(image_src, tmp_path):
+    with fake_admin() as (url, received):
+        script = (
+            'test "$(cat answer.txt)" = 5 && echo \'{"reward": 1, "components": {"exact": 1}}\' > "$FORGE_VERDICT_FILE"'
+        )
+        done = verify_in_workspace(image_src, tmp_path, url, script)
     assert done.returncode == 0, done.stderr
     assert received == [("Bearer s3cret-token", {"episode_id": "run.add.0", "reward": 1.0,
                                                  "components": {"exact": 1.0}, "source": "verifier"})]  # fmt: skip
-    assert json.loads(log.read_text())["reward"] == 1.0
+    assert json.loads((tmp_path / "termination-log").read_text())["reward"] == 1.0
     assert "s3cret-token" not in done.stdout + done.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="forge verify runs the verifier as another uid only as root")
+def test_the_verifier_cannot_read_the_reward_token_yet_its_reward_carries_it(image_src, tmp_path):
+    """The verifier runs agent-written code: it runs as another uid, after forge verify has read the token."""
+    token = tmp_path / "token"
+    with fake_admin() as (url, received):
+        unreadable = f'! cat {token} >/dev/null 2>&1 && test -z "$FORGE_REWARD_TOKEN_FILE"'
+        script = f'{unreadable} && echo 0.5 > "$FORGE_VERDICT_FILE"'
+        done = verify_in_workspace(image_src, tmp_path, url, script)
+    assert done.returncode == 0, done.stderr
+    assert [(auth, body["reward"]) for auth, body in received] == [("Bearer s3cret-token", 0.5)]

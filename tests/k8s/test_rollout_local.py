@@ -47,7 +47,8 @@ def test_a_real_task_end_to_end_behind_one_sidecar(tmp_path, fake_upstream):
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text(
         json.dumps({"id": "echo", "prompt": "say hi", "command": [sys.executable, str(tmp_path / "harness.py")],
-                    "verifier": 'test -s answer.txt && echo \'{"reward": 0.75, "components": {"answered": 1}}\''})
+                    "verifier": 'test -s answer.txt && echo \'{"reward": 0.75, "components": {"answered": 1}}\' '
+                                '> "$FORGE_VERDICT_FILE"'})
         + "\n"
         + json.dumps({"id": "never", "prompt": "x", "command": "true", "verifier": "test -f answer.txt"})
         + "\n"

@@ -8,7 +8,7 @@ import pytest
 
 from forge.errors import ForgeError
 from k8s.tasks import load_tasks
-from k8s.verify import verdict_from
+from k8s.verify import run_verifier, verdict_from
 
 FORGE = str(Path(sys.executable).parent / "forge")
 
@@ -74,15 +74,34 @@ def test_the_cli_names_the_bad_line_in_one_line_without_a_traceback(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("exit_code", "stdout", "reward", "components"),
+    ("exit_code", "written", "reward", "components"),
     [
-        (0, "all good\n", 1.0, {}),
-        (3, "FAILED test_x\n", 0.0, {}),
-        (0, "ran\n0.25\n", 0.25, {}),
-        (1, 'ran\n{"reward": 0.5, "components": {"tests": 2}}\n', 0.5, {"tests": 2.0}),
+        (0, None, 1.0, {}),
+        (3, None, 0.0, {}),
+        (0, "0.25\n", 0.25, {}),
+        (0, '{"reward": 0.5, "components": {"tests": 2}}', 0.5, {"tests": 2.0}),
+        (1, '{"reward": 0.5, "components": {"tests": 2}}', 0.0, {}),  # a failed verifier gives no reward
         (0, '{"reward": "high"}\n', 1.0, {}),  # not a number: the exit status decides
     ],
 )
-def test_a_verdict_comes_from_the_exit_status_or_the_last_line(exit_code, stdout, reward, components):
-    verdict = verdict_from(exit_code, stdout)
+def test_a_verdict_comes_from_the_exit_status_or_the_verdict_file(exit_code, written, reward, components):
+    verdict = verdict_from(exit_code, written)
     assert verdict.reward == reward and verdict.components == components and verdict.exit_code == exit_code
+
+
+def test_a_non_zero_exit_is_no_reward_whatever_the_verifier_printed(tmp_path):
+    """The verifier runs agent-written code (its tests): what that code prints on the way out is not the verdict."""
+    verdict = run_verifier(("sh", "-c", "echo 1.0; exit 1"), tmp_path, {"PATH": "/usr/bin:/bin"}, 30)
+    assert verdict.reward == 0.0 and verdict.exit_code == 1 and "exited 1" in verdict.detail
+
+
+def test_the_verdict_comes_from_the_verdict_file_outside_the_workspace_not_stdout(tmp_path):
+    workspace = tmp_path / "workspace"
+    workspace.mkdir()
+    script = (  # the agent's code prints a perfect score last; the verifier writes what it found, outside the folder
+        'case "$FORGE_VERDICT_FILE" in "$PWD"/*|"") exit 9;; esac; '
+        'echo \'{"reward": 0.25, "components": {"tests": 0.25}}\' > "$FORGE_VERDICT_FILE"; echo 1.0'
+    )
+    verdict = run_verifier(("sh", "-c", script), workspace, {"PATH": "/usr/bin:/bin"}, 30)
+    assert (verdict.reward, verdict.components, verdict.exit_code) == (0.25, {"tests": 0.25}, 0)
+    assert run_verifier(("sh", "-c", "echo 0.0"), workspace, {"PATH": "/usr/bin:/bin"}, 30).reward == 1.0

@@ -42,10 +42,20 @@ def test_the_bound_is_lowered_to_the_context_and_the_cap_and_anything_else_is_le
     assert bound_completion("responses", body, cap=64, context=None).sent == 64 and body == {"max_output_tokens": 64}
     body = {}
     assert bound_completion("responses", body, cap=0, context=16384).requested is None and body == {}
-    for odd in ("128000", True, 12.5, -1, None):  # not ours to judge: the server says what is wrong
+    for odd in (True, 12.5, -1, None, "many"):  # not ours to judge: the server says what is wrong
         body = {"max_tokens": odd}
         bound_completion("chat", body, cap=None, context=16384)
         assert body == {"max_tokens": odd}
+
+
+@pytest.mark.parametrize("asked", [128_000.0, "128000", " 128000 "])
+def test_an_integral_float_or_a_numeric_string_is_a_bound(asked):
+    """vLLM reads them as the integer they spell (pydantic's lax mode): left alone, they would be refused."""
+    body: dict[str, Any] = {"max_tokens": asked}
+    bound = bound_completion("chat", body, cap=None, context=16384)
+    assert body == {"max_tokens": 16384} and (bound.requested, bound.sent) == (ASKED, 16384)
+    body = {"max_tokens": 100.0}
+    assert bound_completion("chat", body, cap=None, context=16384).requested == 100 and body == {"max_tokens": 100.0}
 
 
 @pytest.mark.integration

@@ -112,6 +112,19 @@ def test_a_reward_needs_the_verifiers_token_and_its_source_is_the_servers(start_
     )  # nothing from the refused posts, before or after the flush at exit
 
 
+def test_in_a_pod_a_reward_for_another_episode_is_refused_and_counted(start_sidecar, fake_upstream):
+    """One reward Secret serves every pod: with it, an agent could zero its group siblings' rewards. The pod's
+    sidecar takes rewards for its own episode only."""
+    sidecar = start_sidecar(fake_upstream.url, episode_id=None, env={"POD_UID": "pod-episode"})
+    status, answer = sidecar.post_admin("/reward", {"episode_id": "sibling-episode", "reward": 0.0})
+    assert status == 403 and "pod-episode" in answer["error"]
+    assert sidecar.post_admin("/reward", {"episode_id": "pod-episode", "reward": 1.0})[0] == 200
+    assert sidecar.metrics()['reward_refused_total{reason="other_episode"}'] == 1
+    wait_for(lambda: _rewards(sidecar.store), what="the pod's reward")
+    sidecar.stop()
+    assert [row[:2] for row in _rewards(sidecar.store)] == [("pod-episode", 1.0)]
+
+
 def test_rewards_from_a_given_token_file_through_the_cli_and_into_the_store(start_sidecar, fake_upstream, tmp_path):
     token_file = tmp_path / "verifier-token"
     token_file.write_text("a-token-the-verifier-holds-0123456789\n")

@@ -11,7 +11,7 @@ import pytest
 
 from forge.errors import ForgeError
 from sidecar.netinit import CHAIN, NetInit, checked, cleanup_rules, dry_run, rules
-from tests.sidecar.netns import root_cause
+from tests.sidecar.netns import CLIENT_UID, PROXY_UID, build_pod_network, root_cause, wait_listening
 
 FORGE = str(Path(sys.executable).parent / "forge")
 
@@ -106,11 +106,14 @@ def test_apply_is_idempotent_and_cleanup_restores_the_tables_exactly(namespace, 
             in_ns(namespace, binary, "-t", "nat", "-N", "OTHER")
             in_ns(namespace, binary, "-t", "nat", "-A", "OUTPUT", "-p", "udp", "-j", "OTHER")
     before = saved(namespace)
-    in_ns(namespace, FORGE, "net-init", "--proxy-uid", "1337", "--proxy-port", "15001", "--exclude-cidr", "10.9.0.0/16")
+    apply = [FORGE, "net-init", "--proxy-uid", "1337", "--proxy-port", "15001", "--exclude-cidr", "10.9.0.0/16",
+             "--reject-port", "8000"]  # fmt: skip
+    in_ns(namespace, *apply)
     once = saved(namespace)
     assert "--uid-owner 1337 -j RETURN" in once and "--to-ports 15001" in once and "-d 10.9.0.0/16 -j RETURN" in once
+    assert len(re.findall(r"--dports 8000 -j REJECT", once)) == 2
     assert len(re.findall(rf"-A OUTPUT -p tcp -j {CHAIN}", once)) == 2  # one jump per family
-    in_ns(namespace, FORGE, "net-init", "--proxy-uid", "1337", "--proxy-port", "15001", "--exclude-cidr", "10.9.0.0/16")
+    in_ns(namespace, *apply)
     assert saved(namespace) == once  # re-running is harmless
     in_ns(namespace, FORGE, "net-init", "--cleanup")
     assert saved(namespace) == before
@@ -135,3 +138,29 @@ def test_without_net_admin_it_fails_with_one_clear_line(namespace):
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("forge: ") and "NET_ADMIN" in lines[0]
     assert CHAIN not in in_ns(namespace, "iptables-save").stdout  # nothing half-applied
+
+
+POLICY_ROUTES = ("/update_weight_version", "/v1/load_lora_adapter", "/collective_rpc", "/v1/completions")
+
+
+@needs_root
+def test_only_the_sidecars_uid_reaches_the_policy_servers_port():
+    """The agent's shell cannot call the policy server's admin routes (relabel versions, load an old adapter) or
+    make model calls that go unrecorded: with --reject-port, every uid but the sidecar's is refused there."""
+    net = build_pod_network([])
+    try:
+        policy = net.internet.run(["ip", "-4", "-o", "addr", "show", "scope", "global"]).stdout.split()[3]
+        address = policy.split("/")[0]
+        net.processes.append(net.internet.popen(
+            ["/usr/bin/python3", "-m", "http.server", "--bind", address, "8000"], net.work / "policy.log"))  # fmt: skip
+        wait_listening(net.internet, address, 8000)
+        net.pod.run([FORGE, "net-init", "--proxy-uid", str(PROXY_UID), "--proxy-port", "15001",
+                     "--reject-port", "8000"])  # fmt: skip
+        for route in POLICY_ROUTES:
+            curl = ["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "--max-time", "5",
+                    f"http://{address}:8000{route}"]  # fmt: skip
+            harness = net.pod.run(curl, uid=CLIENT_UID, check=False)
+            assert harness.returncode == 7, f"the harness reached {route}: {harness.stdout}"  # 7: connection refused
+            assert net.pod.run(curl, uid=PROXY_UID, check=False).stdout == "404", route  # the sidecar still does
+    finally:
+        net.teardown()

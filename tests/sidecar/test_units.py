@@ -329,6 +329,49 @@ def test_a_held_row_whose_value_never_comes_goes_on_after_the_hold(tmp_path, mon
     assert writer.metrics.get("records_hold_expired_total") == 1
 
 
+def test_a_version_after_the_call_that_takes_seconds_to_come_is_still_recorded(tmp_path):
+    """A busy policy server can take seconds to say its version after a call (the question may wait 10 s): the
+    row waits for it, so a call that straddled a publish never looks single-version."""
+    import http.server
+    import threading
+    from urllib.parse import urlparse
+
+    from sidecar import version
+
+    class SlowVersion(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            time.sleep(4.0)  # longer than the 3 s the WAL used to hold a row
+            body = b'{"weight_version": "v-after"}'
+            self.send_response(200)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), SlowVersion)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    writer, store = make_writer(tmp_path, max_age_s=0.0)
+    url = urlparse(f"http://127.0.0.1:{server.server_address[1]}")
+    clock = version.VersionClock(url, lambda row, v: writer.complete(row, {"policy_version_end": v}))  # as the addon
+    try:
+        held = writer.append("calls", row(0), hold=True)
+        assert held is not None
+        clock.after(held)
+        deadline = time.monotonic() + 15
+        while not stored_call_ids(store) and time.monotonic() < deadline:
+            writer.cut_batches()
+            writer.flush_batches()
+            time.sleep(0.1)
+        table = open_store(store).read_table("calls")
+        assert table is not None and table.column("policy_version_end").to_pylist() == ["v-after"]
+    finally:
+        clock.stop()
+        server.shutdown()
+        server.server_close()
+
+
 def test_the_typed_call_record_has_exactly_the_schema_columns():
     assert set(CallRecord.__annotations__) == {f.name for f in CALL_SCHEMA} - {"schema_version"}
 
@@ -420,6 +463,36 @@ def test_a_version_answer_that_waits_for_a_long_engine_step_is_still_the_calls_v
         assert asked.version is None and "refused" in (asked.why or "")
     finally:
         clock.stop()
+
+
+def test_a_version_answer_with_an_oversized_header_is_an_unknown_version_not_an_exception():
+    """asyncio's readuntil raises LimitOverrunError (not an OSError) past 64 KiB: it must not escape into routing."""
+    import asyncio
+    import socket
+    import threading
+    from urllib.parse import urlparse
+
+    from sidecar import version
+
+    with socket.create_server(("127.0.0.1", 0)) as server:
+
+        def answer() -> None:
+            while True:  # every question (the clock asks once more on a new connection)
+                try:
+                    connection, _ = server.accept()
+                except OSError:  # the test is over
+                    return
+                with connection:
+                    connection.recv(4096)
+                    connection.sendall(b"HTTP/1.1 200 OK\r\nx-padding: " + b"a" * 200_000 + b"\r\n\r\n")
+
+        threading.Thread(target=answer, daemon=True).start()
+        host, port = server.getsockname()
+        clock = version.VersionClock(urlparse(f"http://{host}:{port}"), lambda row, v: None)
+        try:
+            assert asyncio.run(clock.before()).version is None
+        finally:
+            clock.stop()
 
 
 def test_after_a_crash_the_count_goes_on_from_the_records_whether_flushed_or_still_in_the_wal(tmp_path):
