@@ -162,18 +162,24 @@ def records_of(writer: RecordWriter, call_id: str) -> list[dict[str, Any]]:
     return [fields for (text,) in rows if (fields := json.loads(text))["call_id"] == call_id]
 
 
+async def model_call(forge: Forge, api: str, content: bytes, headers: http.Headers) -> http.HTTPFlow:
+    """A harness's HTTPS call of the wire API to its model host, through the request hooks."""
+    host = "api.anthropic.com" if api == "messages" else "api.openai.com"
+    request = tutils.treq(host=host, port=443, scheme=b"https", method=b"POST", path=PATHS[api].encode(),
+                          authority=host.encode(), headers=headers, content=content)  # fmt: skip
+    flow = tflow.tflow(req=request)
+    forge.requestheaders(flow)
+    await forge.request(flow)
+    return flow
+
+
 async def one_call(forge: Forge, writer: RecordWriter, api: str, content: bytes, episode: bytes | None,
                    outcome: str, whole: bool = False) -> None:  # fmt: skip
     """One call through the hooks; ``whole``: a request the sidecar must prepare (not pass on as it came)."""
     headers = [(b"content-type", b"application/json"), (b"authorization", b"Bearer sk-harness")]
     if episode is not None:
         headers.append((b"x-forge-episode-id", episode))
-    host = "api.anthropic.com" if api == "messages" else "api.openai.com"
-    request = tutils.treq(host=host, port=443, scheme=b"https", method=b"POST", path=PATHS[api].encode(),
-                          authority=host.encode(), headers=http.Headers(headers), content=content)  # fmt: skip
-    flow = tflow.tflow(req=request)
-    forge.requestheaders(flow)
-    await forge.request(flow)
+    flow = await model_call(forge, api, content, http.Headers(headers))
     call = flow.metadata.get("forge_call")
     assert call is not None, "a model call was never begun (it cannot be recorded)"
     if flow.response is None:  # sent upstream
@@ -223,13 +229,7 @@ def closed_port() -> int:
 async def tokens_in_call(forge: Forge, answer_status: int) -> http.HTTPFlow:
     """A chat call as if served tokens-in, its answer an error, the policy server then gone."""
     body = {"model": "gpt-x", "messages": [{"role": "user", "content": "hi"}]}
-    headers = http.Headers(content_type="application/json")
-    request = tutils.treq(host="api.openai.com", port=443, scheme=b"https", method=b"POST",
-                          path=PATHS["chat"].encode(), authority=b"api.openai.com", headers=headers,
-                          content=json.dumps(body).encode())  # fmt: skip
-    flow = tflow.tflow(req=request)
-    forge.requestheaders(flow)
-    await forge.request(flow)
+    flow = await model_call(forge, "chat", json.dumps(body).encode(), http.Headers(content_type="application/json"))
     call = flow.metadata["forge_call"]
     original = flow.request.content or b""
     call.continuation = Decision("tokens_in", original_path=flow.request.path, original_body=original,
@@ -271,12 +271,7 @@ async def replica_move_bounds_again(forge: Forge, writer: RecordWriter) -> None:
         forge.replicas.served("episode-moved", large)
         body = {"model": "claude-x", "max_tokens": 128000, "messages": [{"role": "user", "content": "hi"}]}
         headers = http.Headers(content_type="application/json", x_forge_episode_id="episode-moved")
-        request = tutils.treq(host="api.anthropic.com", port=443, scheme=b"https", method=b"POST",
-                              path=PATHS["messages"].encode(), authority=b"api.anthropic.com", headers=headers,
-                              content=json.dumps(body).encode())  # fmt: skip
-        flow = tflow.tflow(req=request)
-        forge.requestheaders(flow)
-        await forge.request(flow)
+        flow = await model_call(forge, "messages", json.dumps(body).encode(), headers)
         assert flow.request.port == large.port and json.loads(flow.request.content or b"")["max_tokens"] == 8192
         await forge.server_connect(ServerConnectionHookData(Server(address=("127.0.0.1", large.port)),
                                                             flow.client_conn))  # fmt: skip
