@@ -5,7 +5,9 @@ record names and under the version before it (transformers, fp32, CPU; ``trainer
 
 Per round (the call records' ``run_id``): calls, how many are served by the version they name (mean |recorded −
 forced| under it ≤ the fp32 bound, and under the previous version more than 10× that), and the median gaps. A call
-with no version is listed apart. ``--checkpoints`` is the folder holding ``v0``, ``v1``, ... (default:
+with no version is listed apart, and one whose named and previous checkpoints agree on its tokens (an update that
+did not move the policy there: every group's rewards equal) is counted as "named = previous", not as served.
+``--checkpoints`` is the folder holding ``v0``, ``v1``, ... (default:
 ``<store>/checkpoints/<run>``; for an S3 store the trainer's local copies, ``<out>/trainer/forge-checkpoints/...``).
 Exit 1 when any call is not served by the version it names.
 """
@@ -46,20 +48,26 @@ def main(store: str, run_name: str, checkpoints: Path | None, s3_endpoint: str |
     for row in rows:
         rounds.setdefault(row[0], []).append(row)
     failed = 0
-    print("round (run id)   calls  served by the version named  median |Δ| named  median |Δ| previous  no version")
+    print(
+        "round (run id)   calls  served by the version named  median |Δ| named  median |Δ| previous  no version"
+        "  named = previous"
+    )
     for run_id, calls in rounds.items():
-        served, named, previous, unknown = 0, [], [], 0
+        served, same, named, previous, unknown = 0, 0, [], [], 0
         for _, call_id, version, model, prompt, completion, recorded in calls[: limit or None]:
             if version is None:
                 unknown += 1
                 continue
             v = int(version)
-            gap = teacher.mean_abs_gap(recorded, teacher.logprobs(checkpoint(v), base, prompt, completion))
-            old = (teacher.mean_abs_gap(recorded, teacher.logprobs(checkpoint(v - 1), base, prompt, completion))
-                   if v > 0 else float("inf"))  # fmt: skip
+            forced = teacher.logprobs(checkpoint(v), base, prompt, completion)
+            gap = teacher.mean_abs_gap(recorded, forced)
+            before = teacher.logprobs(checkpoint(v - 1), base, prompt, completion) if v > 0 else None
+            old = teacher.mean_abs_gap(recorded, before) if before is not None else float("inf")
             named.append(gap)
             previous.append(old)
-            if gap <= bound and old > 10 * gap:
+            if gap <= bound and before is not None and teacher.mean_abs_gap(forced, before) <= bound:
+                same += 1  # the update did not move the policy on these tokens (e.g. every group's rewards equal)
+            elif gap <= bound and old > 10 * gap:
                 served += 1
             else:
                 failed += 1
@@ -68,7 +76,7 @@ def main(store: str, run_name: str, checkpoints: Path | None, s3_endpoint: str |
         prev = [p for p in previous if p != float("inf")]
         print(f"{run_id:16} {checked + unknown:6d}  {served:>13d} of {checked:<13d}  "
               f"{statistics.median(named) if named else float('nan'):16.2e}  "
-              f"{statistics.median(prev) if prev else float('nan'):19.2e}  {unknown:10d}")  # fmt: skip
+              f"{statistics.median(prev) if prev else float('nan'):19.2e}  {unknown:10d}  {same:16d}")  # fmt: skip
     sys.exit(1 if failed else 0)
 
 
