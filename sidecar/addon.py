@@ -603,15 +603,13 @@ class Forge:
         self.in_flight[call.call_id] = (flow, call)
         try:
             prepared = self._prepare(flow, call, headers, route.replica)
-        except Exception as error:  # our code failed on an odd request: its API's error, never a half-prepared call
+        except Exception as error:  # our code failed on an odd request: it goes to the policy as it came (the
+            # server judges it, the harness gets its answer), recorded as an error; never half-prepared
             self.metrics.inc("requests_unprepared_total")
-            log.error("a model call could not be prepared (%s); answered 500, not sent", type(error).__name__)
+            log.error("a model call could not be prepared (%s); sent on as it came", type(error).__name__)
             call.error = f"request not prepared ({type(error).__name__}: {scrub_text(str(error), call.secrets)})"
-            flow.metadata["forge_answered"] = True
-            message = "The proxy could not prepare this request for the model; it was not sent."
-            flow.response = http.Response.make(500, error_body(api, 500, message, "proxy_error"), error_headers(api))
-            self._record(flow, call, status="error")
-            return
+            call.bound = call.module = call.added = None
+            prepared = None
         # Applied at once, after everything that can fail: the upstream gets the whole prepared call or the original.
         self._strip_hop_secrets(flow)
         self._route(flow, route.replica)

@@ -47,7 +47,8 @@ def test_forge_eval_end_to_end_on_a_new_task_file(tmp_path, policy_server):
                     "timeout_s": 180}) + "\n"
         # Partial credit under the threshold: a reward of 0.25 is never a success.
         + json.dumps({"id": "quarter", "prompt": "Name a colour.", "command": command,
-                      "verifier": "test -f answer.txt && echo 0.25", "success_threshold": 0.5, "timeout_s": 180})
+                      "verifier": 'test -f answer.txt && echo 0.25 > "$FORGE_VERDICT_FILE"',
+                      "success_threshold": 0.5, "timeout_s": 180})
         + "\n"
     )  # fmt: skip
     out = tmp_path / "eval"

@@ -150,7 +150,7 @@ def test_the_injected_commands_make_a_recording_pod(tmp_path):
             log = str(work / "termination-log")
             # In the pod's own working folder: the checkout may be closed to the verifier's uid.
             verify = ["env", "-C", str(work), *pod_forge, "verify", "--termination-log", log, "--", "sh", "-c",
-                      "echo 0.5"]  # fmt: skip
+                      'echo 0.5 > "$FORGE_VERDICT_FILE"']  # fmt: skip
             net.pod.run(verify, uid=CLIENT_UID + 1, env=verifier_env)
             (reward,) = wait_for(lambda: read_rewards(str(work / "store")), what="the verifier's reward")
             assert reward["episode_id"] == "run9.add.0" and reward["reward"] == 0.5
