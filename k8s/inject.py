@@ -364,7 +364,9 @@ def _app_container_operations(
     return (
         _add_all((*path, "env"), container.get("env"), [e for e in added if e["name"] not in own])
         + _add_all((*path, "volumeMounts"), container.get("volumeMounts"), mounts)
-        + _drop_operations(path, container)
+        # The verifier keeps SETUID/SETGID: `forge verify` reads the reward token, then runs the task's verifier as
+        # another uid (65534) that cannot read it. No agent-written code runs in it with those capabilities.
+        + ([] if is_verifier else _drop_operations(path, container))
     )
 
 

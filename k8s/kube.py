@@ -81,6 +81,10 @@ def job_manifest(attempt: Attempt, settings: KubernetesSettings) -> dict[str, An
         "command": ["forge", "verify", "--timeout-s", str(int(task.timeout_s)), "--", *task.verifier],
         "env": [dict(e) for e in env], "volumeMounts": [dict(m) for m in workspace],
         "terminationMessagePolicy": "File",
+        # Root, so `forge verify` can read the reward token first and then run the task's verifier (which reads
+        # agent-written files) as uid 65534, which cannot read it; the image's own user (1337, the sidecar's) would
+        # keep the token readable to the verifier and its traffic outside the redirect.
+        "securityContext": {"runAsUser": 0, "runAsGroup": 0},
     }  # fmt: skip
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",

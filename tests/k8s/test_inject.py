@@ -108,10 +108,13 @@ def test_every_patched_pod_validates_strictly(case, version):
 
 @pytest.mark.parametrize("case", INJECTED_CASES)
 def test_no_app_container_can_change_its_uid_or_gid(case):
-    """Root with CAP_SETUID/SETGID (a container's default) could become uid 1337, whose traffic is not redirected."""
+    """Root with CAP_SETUID/SETGID (a container's default) could become uid 1337, whose traffic is not redirected.
+    The verifier container alone keeps them: it runs `forge verify`, which reads the reward token and then runs the
+    task's verifier as another uid (65534) that cannot read it."""
     pod = patched_pod(case)
+    verifier = inject.verifier_name(pod, InjectorSettings())
     for container in pod["spec"]["initContainers"] + pod["spec"]["containers"]:
-        if container["name"] not in inject.OUR_CONTAINERS:
+        if container["name"] not in inject.OUR_CONTAINERS and container["name"] != verifier:
             dropped = set(container["securityContext"]["capabilities"]["drop"])
             assert {"SETUID", "SETGID"} <= dropped or "ALL" in dropped, container["name"]
 

@@ -98,6 +98,14 @@ def test_the_webhook_gives_the_reward_credential_to_the_jobs_verifier_only():
     assert holders == {inject.SIDECAR, "verifier"}
     order = [c["name"] for c in spec["initContainers"]]
     assert order == [inject.NET_INIT, inject.CA_INIT, inject.SIDECAR, "harness"]  # the harness runs behind it
+    # The verifier runs `forge verify` as root with the capability to change uid: it reads the token, then runs the
+    # task's verifier as 65534 (the image's own uid, the sidecar's 1337, would leave the token readable to it and
+    # its traffic unredirected). The harness cannot change its uid.
+    (verifier,) = spec["containers"]
+    assert verifier["securityContext"]["runAsUser"] == 0
+    assert "SETUID" not in (verifier["securityContext"].get("capabilities") or {}).get("drop", [])
+    harness = next(c for c in spec["initContainers"] if c["name"] == "harness")
+    assert {"SETUID", "SETGID"} <= set(harness["securityContext"]["capabilities"]["drop"])
 
 
 def test_a_tasks_harness_is_the_pods_annotation_and_only_the_sidecar_reads_it():
