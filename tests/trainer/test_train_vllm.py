@@ -330,7 +330,10 @@ def test_resume_after_kill_9_continues_from_the_committed_step_without_retrainin
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 600
-        while not (state_file.is_file() and json.loads(state_file.read_text())["step"] == 1):
+        metrics_file = state_file.parent / "metrics.jsonl"
+        # Step 1 committed and its metrics line written (the loop writes it after the step returns): then step 2.
+        while not (state_file.is_file() and json.loads(state_file.read_text())["step"] == 1 and metrics_file.is_file()
+                   and metrics_file.read_text().count("\n") == 1):  # fmt: skip
             assert process.poll() is None, process.communicate()[1][-2000:]
             assert time.monotonic() < deadline, "step 1 was never committed"
             time.sleep(0.2)
