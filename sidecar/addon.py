@@ -608,7 +608,6 @@ class Forge:
             self.metrics.inc("requests_unprepared_total")
             log.error("a model call could not be prepared (%s); sent on as it came", type(error).__name__)
             call.error = f"request not prepared ({type(error).__name__}: {scrub_text(str(error), call.secrets)})"
-            call.bound = call.module = call.added = None
             prepared = None
         # Applied at once, after everything that can fail: the upstream gets the whole prepared call or the original.
         self._strip_hop_secrets(flow)
@@ -661,8 +660,8 @@ class Forge:
             call.error = f"request not translated ({error}); passed through unchanged"
             return None
         prepared = (added.upstream_path or flow.request.path, codec.dumps(body))
-        call.bound, call.module, call.added = bound, module, added
-        call.sampling = json.dumps({k: body[k] for k in SAMPLING_KEYS if k in body}, sort_keys=True)
+        sampling = json.dumps({k: body[k] for k in SAMPLING_KEYS if k in body}, sort_keys=True)
+        call.bound, call.module, call.added, call.sampling = bound, module, added, sampling  # last: nothing fails after
         return prepared
 
     def _map_model(self, flow: http.HTTPFlow) -> None:
