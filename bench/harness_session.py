@@ -34,12 +34,13 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
 from bench.tokens_in import forks, render_request
-from tests.sidecar.conftest import SidecarFactory, claude_code_env, installed_harness, read_calls, wait_for
+from tests.sidecar.conftest import Sidecar, SidecarFactory, claude_code_env, installed_harness, read_calls, wait_for
 
 PROMPTS = [
     "What does notes.txt say? Use the shell.",
@@ -53,38 +54,59 @@ HARNESS_TIMEOUT_S = 600
 CLAUDE_MAX_OUTPUT_TOKENS = 64  # Claude Code's own CLAUDE_CODE_MAX_OUTPUT_TOKENS (as test_harness_claude_code.py)
 
 
-def _run(name: str, command: list[str], work: Path, env: dict[str, str]) -> int:
+@dataclass
+class Session:
+    """A recorded session: its call records in order, the first invocation (its exit and output) and how many calls
+    it made, the secrets the harness held (its API key, Codex's installation id) and the sidecar that recorded it
+    (stopped: its store, log and WAL stay to be read)."""
+
+    calls: list[dict]
+    first: subprocess.CompletedProcess
+    n_first: int
+    sidecar: Sidecar
+    secrets: list[str] = field(default_factory=list)
+    home: Path | None = None
+
+
+def _run(name: str, command: list[str], work: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
     run = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True, timeout=HARNESS_TIMEOUT_S,
                          stdin=subprocess.DEVNULL)  # fmt: skip
     if run.returncode != 0:
         print(f"{name} exited {run.returncode}: {(run.stderr or run.stdout).strip()[-400:]}", file=sys.stderr)
-    return run.returncode
+    return run
 
 
-def _codex(home: Path, work: Path, env: dict[str, str], codex: str, prompt: str, first: bool) -> int:
+def _codex(
+    home: Path, work: Path, env: dict[str, str], codex: str, prompt: str, first: bool
+) -> subprocess.CompletedProcess:
     command = [codex, "exec", "--skip-git-repo-check"]
     command += ["-s", "read-only", prompt] if first else ["resume", "--last", "--skip-git-repo-check", prompt]
     return _run("codex", command, work, env)
 
 
-def _drive(store: str, episode: str, turns: int, invoke: Callable[[str, bool], int]) -> int:
-    """Invoke the harness (prompt, first?) until the episode has ``turns`` calls, one of them served tokens-in (a
-    session whose sampled answers all happen to re-tokenize canonically shows nothing), or ``2 * turns``
-    invocations ran; how many ran."""
+def _drive(
+    store: str, episode: str, turns: int, invoke: Callable[[str, bool], subprocess.CompletedProcess], hunt: bool
+) -> tuple[int, subprocess.CompletedProcess, int]:
+    """Invoke the harness (prompt, first?) until the episode has ``turns`` calls (``hunt``: one of them served
+    tokens-in, as a session whose sampled answers all happen to re-tokenize canonically shows nothing), or
+    ``2 * turns`` invocations ran; how many ran, the first invocation and how many calls it made."""
 
     def enough() -> bool:
         calls = read_calls(store, f"episode_id = '{episode}'")
-        return len(calls) >= turns and any(c["continuation"] == "tokens_in" for c in calls)
+        return len(calls) >= turns and (not hunt or any(c["continuation"] == "tokens_in" for c in calls))
 
-    invocations = 0
+    invocations, first, n_first = 0, None, 0
     while not enough() and invocations < 2 * turns:
         started = time.monotonic()
-        code = invoke(PROMPTS[min(invocations, len(PROMPTS) - 1)], invocations == 0)
+        run = invoke(PROMPTS[min(invocations, len(PROMPTS) - 1)], invocations == 0)
+        first, code = first or run, run.returncode
         invocations += 1
         time.sleep(1.0)  # the sidecar flushes every 0.3 s
         n = len(read_calls(store, f"episode_id = '{episode}'"))
+        n_first = n_first or n
         print(f"invocation {invocations} (exit {code}, {time.monotonic() - started:.0f} s): {n} calls so far")
-    return invocations
+    assert first is not None
+    return invocations, first, n_first
 
 
 def _recorded(store: str, episode: str, invocations: int) -> list[dict]:
@@ -97,53 +119,54 @@ def _recorded(store: str, episode: str, invocations: int) -> list[dict]:
     return calls
 
 
-def codex_session(upstream: str, store: str, turns: int, tmp: Path) -> list[dict]:
-    """Record one Codex conversation of at least ``turns`` calls (or as many as ``2 * turns`` invocations gave);
-    its call records, in order."""
+def codex_session(upstream: str, store: str, turns: int, tmp: Path, hunt: bool = True) -> Session:
+    """Record one Codex conversation of at least ``turns`` calls (or as many as ``2 * turns`` invocations gave)."""
     from tests.sidecar.test_harness_codex import codex_home, output_bound
 
     codex = installed_harness("codex")
     factory = SidecarFactory(tmp)
     episode = f"codex-session-{int(time.time())}"
     try:
-        sidecar = factory(upstream, store=store, episode_id=episode, extra=("--tokens-in", "auto"))
+        sidecar = factory(upstream, store=store, episode_id=episode)  # its defaults: --tokens-in auto
         with output_bound(sidecar.url, tmp) as bounded_url:
             home, work = codex_home(tmp, bounded_url), tmp / "work"
             work.mkdir()
             (work / "notes.txt").write_text("The answer is 42.\n")
             env = {"PATH": os.environ["PATH"], "HOME": str(tmp), "CODEX_HOME": str(home), "NO_COLOR": "1",
                    "OPENAI_API_KEY": "sk-codex-session-not-a-real-key", "TMPDIR": str(tmp)}  # fmt: skip
-            invocations = _drive(store, episode, turns,
-                                 lambda prompt, first: _codex(home, work, env, codex, prompt, first))  # fmt: skip
+            invoke = lambda prompt, first: _codex(home, work, env, codex, prompt, first)  # noqa: E731
+            invocations, first, n_first = _drive(store, episode, turns, invoke, hunt)
         sidecar.stop()
     finally:
         factory.stop_all()
-    return _recorded(store, episode, invocations)
+    installation = (home / "installation_id").read_text().strip()
+    secrets = [installation, env["OPENAI_API_KEY"]]
+    return Session(_recorded(store, episode, invocations), first, n_first, sidecar, secrets, home)
 
 
-def claude_code_session(upstream: str, store: str, turns: int, tmp: Path) -> list[dict]:
+def claude_code_session(upstream: str, store: str, turns: int, tmp: Path, hunt: bool = True) -> Session:
     """Record one Claude Code conversation of at least ``turns`` calls (or as many as ``2 * turns`` invocations
-    gave): ``claude -p``, then ``claude -p --continue``; its call records, in order."""
+    gave): ``claude -p``, then ``claude -p --continue``."""
     claude = installed_harness("claude-code")
     factory = SidecarFactory(tmp)
     episode = f"claude-code-session-{int(time.time())}"
     try:
-        sidecar = factory(upstream, store=store, episode_id=episode, extra=("--tokens-in", "auto"))
+        sidecar = factory(upstream, store=store, episode_id=episode)  # its defaults: --tokens-in auto
         work = tmp / "work"
         work.mkdir()
         (work / "notes.txt").write_text("The answer is 42.\n")
         env = claude_code_env(tmp, sidecar.url, CLAUDE_MAX_OUTPUT_TOKENS)
 
-        def invoke(prompt: str, first: bool) -> int:
+        def invoke(prompt: str, first: bool) -> subprocess.CompletedProcess:
             command = [claude, "-p", *([] if first else ["--continue"]), prompt, "--max-turns", "2",
                        "--dangerously-skip-permissions"]  # fmt: skip
             return _run("claude", command, work, env)
 
-        invocations = _drive(store, episode, turns, invoke)
+        invocations, first, n_first = _drive(store, episode, turns, invoke, hunt)
         sidecar.stop()
     finally:
         factory.stop_all()
-    return _recorded(store, episode, invocations)
+    return Session(_recorded(store, episode, invocations), first, n_first, sidecar, [env["ANTHROPIC_API_KEY"]])
 
 
 def served_tokens_in(calls: list[dict], upstream: str) -> list[tuple[dict, bool, float | None]]:
@@ -183,7 +206,7 @@ def main() -> None:
         parser.error(f"--store {store} is not empty: give a new folder (the figures are over the whole store)")
     with tempfile.TemporaryDirectory(prefix="forge-session-") as tmp:
         session = codex_session if args.harness == "codex" else claude_code_session
-        calls = session(args.upstream, store, args.turns, Path(tmp))
+        calls = session(args.upstream, store, args.turns, Path(tmp)).calls
     for call, exact, gap in served_tokens_in(calls, args.upstream):
         shown = f"{gap:.2e}" if gap is not None else "none (no logprobs given)"
         print(f"call {call['seq']} served tokens-in: prompt = parent's prompt + completion + rendered suffix: "

@@ -1,5 +1,8 @@
-"""A real harness end to end: Codex CLI (npm @openai/codex, pinned by scripts/harness.sh) runs one task
-non-interactively through the real sidecar against the real vLLM; every call it makes is recorded token-exact.
+"""A real harness end to end: Codex CLI (npm @openai/codex, pinned by scripts/harness.sh) runs a task
+non-interactively through the real sidecar against the real vLLM, then continues the conversation over further
+invocations (``codex exec resume --last``) until it made at least six calls; every call it makes is recorded
+token-exact, and its resent history (SmolLM2's answers as text, which re-tokenize differently) does not fork the
+episode: such calls are served tokens-in (tests/sidecar/sessions.py).
 
 Codex runs with its defaults: no model in its config, so its own default model's request shape (its tools in an
 ``additional_tools`` input item, a ``custom`` tool with a grammar), which the sidecar normalises. The sidecar runs
@@ -18,7 +21,6 @@ Codex samples (no temperature it lets us set), so the test checks exactness with
 """
 
 import json
-import os
 import shutil
 import subprocess
 import time
@@ -38,13 +40,11 @@ from tests.sidecar.conftest import (
     assert_sampled_by_vllm,
     call_table,
     installed_harness,
-    read_calls,
-    wait_for,
 )
+from tests.sidecar.sessions import TURNS, assert_continued_exactly
 from trainer.serve import free_port
 
 pytestmark = pytest.mark.integration
-CODEX_TIMEOUT_S = 420
 OUTPUT_BOUND = 96  # test-only (harness_output_bound.py): keeps a sampling 135M model from rambling for minutes
 
 
@@ -97,56 +97,44 @@ def codex_home(tmp_path: Path, sidecar_url: str) -> Path:
     return home
 
 
-def test_codex_runs_a_task_through_the_sidecar_and_every_call_is_exact(
-    codex, start_sidecar, policy_server, vllm, tokenizer, tmp_path
+@pytest.mark.timeout(1800)  # up to 12 invocations of Codex on a loaded 2-core vLLM
+def test_a_codex_session_through_the_sidecar_is_recorded_exactly_and_does_not_fork_on_retokenization(
+    codex, policy_server, vllm, tokenizer, tmp_path
 ):
-    sidecar = start_sidecar(policy_server.base_url)  # no flags beyond the endpoint (and the test's plumbing)
-    with output_bound(sidecar.url, tmp_path) as bounded_url:
-        home, work = codex_home(tmp_path, bounded_url), tmp_path / "work"
-        work.mkdir()
-        (work / "notes.txt").write_text("The answer is 42.\n")
-        env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "CODEX_HOME": str(home), "NO_COLOR": "1",
-               "OPENAI_API_KEY": "sk-codex-test-not-a-real-key", "TMPDIR": str(tmp_path)}  # fmt: skip
-        run = subprocess.run(
-            [codex, "exec", "--skip-git-repo-check", "-s", "read-only", "What does notes.txt say? Use the shell."],
-            cwd=work, env=env, capture_output=True, text=True, timeout=CODEX_TIMEOUT_S, stdin=subprocess.DEVNULL,
-        )  # fmt: skip
-    calls = wait_for(lambda: read_calls(sidecar.store), what="Codex's call records")
+    """One Codex conversation (``codex exec``, then ``codex exec resume --last``; bench/harness_session.py) of at
+    least six calls through a sidecar with no flags beyond its endpoint (and the test's plumbing)."""
+    from bench.harness_session import codex_session
+
+    store = str(tmp_path / "store")
+    session = codex_session(policy_server.base_url, store, TURNS, tmp_path, hunt=False)
+    calls = session.calls
     assert all(c["harness"] == "codex" and c["api"] == "responses" and c["stream"] for c in calls), call_table(calls)
-    assert_harness_succeeded(run, calls)
-    ok = calls
-    for call in ok:
+    assert_harness_succeeded(session.first, calls[: session.n_first])
+    assert session.home is not None
+    assert "model" not in tomllib.loads((session.home / "config.toml").read_text())  # no model set: Codex's own
+    for call in calls:
         request = json.loads(call["request_json"])
         assert any(item.get("type") == "additional_tools" for item in request["input"])  # the default model's shape
-        assert "model" not in tomllib.loads((home / "config.toml").read_text())  # no model set: Codex's own
         # The test-only bound (the one field added in front of the sidecar), served as the harness's own.
         assert request["max_output_tokens"] == OUTPUT_BOUND
         assert (call["max_tokens_requested"], call["max_tokens_served"]) == (OUTPUT_BOUND, OUTPUT_BOUND)
-        normalise_request(request)
-        rendered = vllm.post("/v1/responses", json={
-            **request, "model": policy_server.name, "stream": False, "max_output_tokens": 1,
-            "enable_response_messages": True,
-        }).json()  # fmt: skip
-        rendered_ids = [t for m in rendered["input_messages"] for t in m["tokens"]]
-        if call["continuation"] == "tokens_in":  # the earlier call's exact ids + the rendering of what was added
-            parent = next(c for c in calls if c["call_id"] == call["parent_call_id"])
-            whole = parent["prompt_token_ids"] + parent["completion_token_ids"]
-            added = len(call["prompt_token_ids"]) - len(whole)
-            assert call["prompt_token_ids"][: len(whole)] == whole and added > 0
-            assert call["prompt_token_ids"][len(whole) :] == rendered_ids[-added:]
-        else:
-            assert call["prompt_token_ids"] == rendered_ids
+        if call["continuation"] != "tokens_in":  # tokens-in calls: assert_continued_exactly, below
+            normalise_request(request)
+            rendered = vllm.post("/v1/responses", json={
+                **request, "model": policy_server.name, "stream": False, "max_output_tokens": 1,
+                "enable_response_messages": True,
+            }).json()  # fmt: skip
+            assert call["prompt_token_ids"] == [t for m in rendered["input_messages"] for t in m["tokens"]]
         ids = call["completion_token_ids"]
         assert 0 < len(ids) <= OUTPUT_BOUND and len(call["completion_logprobs"]) == len(ids)
         received = json.loads(call["response_json"])
         if received.get("content"):
             assert tokenizer.decode(ids, skip_special_tokens=True).strip() == received["content"].strip()
         assert_sampled_by_vllm(vllm, policy_server, call)
+    assert_continued_exactly(calls, "codex", store, vllm, policy_server)
 
     # Codex's installation id (in its home and in every request's metadata) and its API key are in no decoded
     # record, log line or WAL file.
-    installation = (home / "installation_id").read_text().strip()
-    assert len(installation) > 8
-    sidecar.stop()
-    assert_no_secret_anywhere(sidecar, [installation, env["OPENAI_API_KEY"]])
-    shutil.rmtree(home, ignore_errors=True)
+    assert len(session.secrets[0]) > 8
+    assert_no_secret_anywhere(session.sidecar, session.secrets)
+    shutil.rmtree(session.home, ignore_errors=True)
