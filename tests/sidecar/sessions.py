@@ -6,7 +6,7 @@ would have re-tokenized it); no fork of the episode is caused by re-tokenization
 
 Whether a sampled answer re-tokenizes differently is chance (12 Codex calls in a row once all re-tokenized
 canonically): tests/sidecar/test_continuation.py forces it with ``allowed_token_ids``; here a session shows it where
-it happens, and the episode must not fork either way. The callers teacher-force every call (assert_sampled_by_vllm).
+it happens, and the episode must not fork either way. The callers teacher-force every call (assert_all_sampled_by_vllm).
 """
 
 import json

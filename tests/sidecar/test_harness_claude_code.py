@@ -23,9 +23,9 @@ import json
 import pytest
 
 from tests.sidecar.conftest import (
+    assert_all_sampled_by_vllm,
     assert_harness_succeeded,
     assert_no_secret_anywhere,
-    assert_sampled_by_vllm,
     call_table,
     installed_harness,
 )
@@ -83,7 +83,6 @@ def test_a_claude_code_session_through_the_sidecar_is_recorded_exactly_and_does_
         if received.get("content") and not received.get("tool_calls"):
             decoded = tokenizer.decode(call["completion_token_ids"], skip_special_tokens=True)
             assert decoded.strip() == received["content"].strip()
-        assert_sampled_by_vllm(vllm, policy_server, call)
     # One conversation: a later turn is stored as a reference to the earlier one, its whole prompt shared (the
     # billing line, different in every call, is normalised away), served tokens-in where the history re-tokenizes.
     extending = [
@@ -91,5 +90,6 @@ def test_a_claude_code_session_through_the_sidecar_is_recorded_exactly_and_does_
         if later["parent_call_id"] == earlier["call_id"] and later["prefix_len"] >= len(earlier["prompt_token_ids"])
     ]  # fmt: skip
     assert extending, [(c["call_id"], c["parent_call_id"], c["prefix_len"]) for c in calls]
+    assert_all_sampled_by_vllm(vllm, policy_server, calls)  # every call teacher-forced, one request per chain
     assert_continued_exactly(calls, "claude-code", store, vllm, policy_server)
     assert_no_secret_anywhere(session.sidecar, session.secrets)

@@ -35,9 +35,9 @@ import pytest
 from sidecar.apis.responses import normalise_request
 from sidecar.cli import sidecar_python_bin
 from tests.sidecar.conftest import (
+    assert_all_sampled_by_vllm,
     assert_harness_succeeded,
     assert_no_secret_anywhere,
-    assert_sampled_by_vllm,
     call_table,
     installed_harness,
 )
@@ -130,7 +130,7 @@ def test_a_codex_session_through_the_sidecar_is_recorded_exactly_and_does_not_fo
         received = json.loads(call["response_json"])
         if received.get("content"):
             assert tokenizer.decode(ids, skip_special_tokens=True).strip() == received["content"].strip()
-        assert_sampled_by_vllm(vllm, policy_server, call)
+    assert_all_sampled_by_vllm(vllm, policy_server, calls)  # every call teacher-forced, one request per chain
     assert_continued_exactly(calls, "codex", store, vllm, policy_server)
 
     # Codex's installation id (in its home and in every request's metadata) and its API key are in no decoded
