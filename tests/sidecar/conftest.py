@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from bench.fake_upstream import FakeUpstream
+from collector.sampling import plain_temperature
 from forge.paths import repo_root
 from trainer.serve import free_port
 
@@ -211,6 +212,9 @@ def assert_sampled_by_vllm(vllm, policy_server, call: dict) -> None:
     within a few hundredths, with outliers of several nats. A wrong id differs by whole nats.
     (NaN: vLLM gave no logprob for that id; the record's note says so.)"""
     ids = call["completion_token_ids"]
+    # The recorded logprobs are the sampling distribution's (forge serve: processed); vLLM's prompt logprobs are
+    # raw (temperature 1, nothing applied): the two agree for a call sampled at a plain temperature 1.
+    assert plain_temperature(call["sampling"]) == 1.0, f"not sampled at a plain temperature 1: {call['sampling']}"
     answer = vllm.post("/v1/completions", timeout=FORCED_TIMEOUT_S, json={
         "model": policy_server.name, "prompt": call["prompt_token_ids"] + ids, "max_tokens": 1, "prompt_logprobs": 0,
         "temperature": 0,
