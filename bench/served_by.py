@@ -1,5 +1,6 @@
 """Which weights sampled a run's calls, by behaviour: every recorded call teacher-forced under the checkpoint its
-record names and under the version before it (transformers, fp32, CPU; ``trainer/teacher.py``).
+record names and under the version before it, at the temperature it was sampled at (transformers, fp32, CPU;
+``trainer/teacher.py``).
 
     .venv/bin/python -m bench.served_by --store OUT/store --run RUN [--checkpoints DIR] [--s3-endpoint URL]
 
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import click
 
+from collector.sampling import plain_temperature
 from collector.sql import connect
 from trainer import teacher
 from trainer.publish import TOLERANCE
@@ -37,7 +39,7 @@ def main(store: str, run_name: str, checkpoints: Path | None, s3_endpoint: str |
     con = connect(store, s3_endpoint)
     rows = con.execute(
         "SELECT run_id, call_id, policy_version, model_served, prompt_token_ids, completion_token_ids, "
-        "completion_logprobs FROM calls WHERE status = 'ok' ORDER BY run_id, started_at"
+        "completion_logprobs, sampling FROM calls WHERE status = 'ok' ORDER BY run_id, started_at"
     ).fetchall()
 
     def checkpoint(version: int) -> Path:  # a full-weight run's v0 is the base checkpoint (none is written)
@@ -54,14 +56,15 @@ def main(store: str, run_name: str, checkpoints: Path | None, s3_endpoint: str |
     )
     for run_id, calls in rounds.items():
         served, same, named, previous, unknown = 0, 0, [], [], 0
-        for _, call_id, version, model, prompt, completion, recorded in calls[: limit or None]:
-            if version is None:
+        for _, call_id, version, model, prompt, completion, recorded, sampling in calls[: limit or None]:
+            temperature = plain_temperature(sampling)
+            if version is None or temperature is None:  # no version, or a distribution teacher forcing cannot give
                 unknown += 1
                 continue
             v = int(version)
-            forced = teacher.logprobs(checkpoint(v), base, prompt, completion)
+            forced = teacher.logprobs(checkpoint(v), base, prompt, completion, temperature)
             gap = teacher.mean_abs_gap(recorded, forced)
-            before = teacher.logprobs(checkpoint(v - 1), base, prompt, completion) if v > 0 else None
+            before = teacher.logprobs(checkpoint(v - 1), base, prompt, completion, temperature) if v > 0 else None
             old = teacher.mean_abs_gap(recorded, before) if before is not None else float("inf")
             named.append(gap)
             previous.append(old)

@@ -65,7 +65,7 @@ def main() -> None:
             split = ", ".join(f"{k} {v:.2f}" for k, v in trainer.last_verify_split.items())
             print(f"v{version}: {total:.2f} s ({', '.join(f'{k} {v:.2f}' for k, v in result.seconds.items())}; "
                   f"verify = {split}); probe |server - trainer| {result.probe_diff:.1e} "
-                  f"(old weights {result.probe_diff_old:.1e})")  # fmt: skip
+                  f"(its answer before the load {result.probe_diff_old:.1e})")  # fmt: skip
         kind = f"LoRA r={args.lora_rank} adapter" if args.lora_rank else "full weights (fp32, 135M params)"
         medians = {k: statistics.median(v) for k, v in seconds.items()}
         print(f"load average during the run: {' '.join(f'{x:.2f}' for x in os.getloadavg())} (1/5/15 min)")

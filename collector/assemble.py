@@ -20,6 +20,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from collector.episode import EPISODE_SCHEMA, SCHEMA_VERSION, SEGMENT_SCHEMA
+from collector.sampling import plain_temperature
 
 CALL_COLUMNS = [
     "call_id", "episode_id", "task_id", "run_id", "seq", "policy_version", "started_at", "finished_at", "status",
@@ -27,7 +28,7 @@ CALL_COLUMNS = [
     "completion_logprobs", "harness",
 ]  # fmt: skip
 # Columns newer records have and older ones lack: read where present.
-OPTIONAL_CALL_COLUMNS = ["policy_version_end"]
+OPTIONAL_CALL_COLUMNS = ["policy_version_end", "sampling"]
 REWARD_COLUMNS = ["episode_id", "call_id", "reward", "at"]
 NO_EPISODE_ID = "(no episode id)"
 MAX_DETAILS = 3  # status_detail names the first few problems of an episode and counts the rest
@@ -239,6 +240,9 @@ def _assemble(calls: pa.Table, rewards: pa.Table | None, episode_order: pa.Array
     # straddles a publish has two).
     ends = calls["policy_version_end"].to_pylist() if "policy_version_end" in optional else [None] * calls.num_rows
     row_versions = [{v for v in pair if v is not None} for pair in zip(column["policy_version"], ends, strict=True)]
+    # The temperature each call's distribution is log_softmax(logits / T) at, None where it is not (collector.sampling).
+    samplings = calls["sampling"].to_pylist() if "sampling" in optional else [None] * calls.num_rows
+    temperatures = [plain_temperature(s) for s in samplings]
     call_ids, episode_ids = column["call_id"], column["episode_id"]
     parents, statuses = column["parent_call_id"], column["status"]
     seqs = pc.fill_null(calls["seq"], -1).to_numpy().tolist()
@@ -304,12 +308,14 @@ def _assemble(calls: pa.Table, rewards: pa.Table | None, episode_order: pa.Array
             # Every sampled token is trainable in exactly one segment: its call's whole completion.
             n_unknown_segment = int(sum(n_unknown[r] for r in segment.call_rows))
             n_unknown_episode += n_unknown_segment
+            seg_temperatures = {temperatures[r] for r in segment.call_rows}
             segment_rows.append({
                 **episode_common, "segment": index,
                 "policy_version_min": seg_versions[0] if seg_versions else None,
                 "policy_version_max": seg_versions[-1] if seg_versions else None,
                 "mixed_versions": len(seg_versions) > 1, "n_calls": len(segment.call_rows),
                 "n_trainable": n_trainable, "n_unknown_logprobs": n_unknown_segment,
+                "temperature": seg_temperatures.pop() if len(seg_temperatures) == 1 else None,
                 "fork_reason": segment.reason, "fork_call_id": segment.fork_call_id,
                 "shared_prefix_len": segment.shared_prefix_len,
                 "call_ids": [call_ids[r] for r in segment.call_rows],

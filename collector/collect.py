@@ -207,8 +207,10 @@ class Collector:
                 wanted = columns + (OPTIONAL_CALL_COLUMNS if table == "calls" else [])
                 try:
                     read = pq.read_table(file.path, filesystem=self.store.filesystem, columns=wanted, filters=filters)
-                except pa.ArrowInvalid:  # a file from before an optional column existed
-                    read = pq.read_table(file.path, filesystem=self.store.filesystem, columns=columns, filters=filters)
+                except pa.ArrowInvalid:  # a file from before an optional column existed: those it has
+                    have = set(pq.read_schema(file.path, filesystem=self.store.filesystem).names)
+                    wanted = columns + [c for c in OPTIONAL_CALL_COLUMNS if c in have and table == "calls"]
+                    read = pq.read_table(file.path, filesystem=self.store.filesystem, columns=wanted, filters=filters)
             except (OSError, pa.ArrowInvalid) as error:
                 raise ForgeError(f"cannot read {file.path}: {str(error).splitlines()[0]}") from error
             return read.cast(pa.schema([_SCHEMAS[table].field(c) for c in read.column_names]))

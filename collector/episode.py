@@ -65,6 +65,11 @@ SEGMENT_SCHEMA = pa.schema(
         pa.field("n_trainable", pa.int32(), nullable=False),  # sum of loss_mask
         # Trainable tokens whose behaviour logprob the upstream did not give (NaN): visible; the trainer decides.
         pa.field("n_unknown_logprobs", pa.int32(), nullable=False),
+        # The temperature every call of the segment was sampled at (1 where the harness sent none): the behaviour
+        # logprobs are vLLM's processed ones, log_softmax(logits / T), which the trainer computes at this T. Null
+        # where it cannot: calls at different temperatures, greedy (0), or a truncation or logits processor
+        # (top_p < 1, top_k, min_p, allowed_token_ids, logit_bias, penalties: ``collector.sampling``).
+        pa.field("temperature", pa.float64()),
         pa.field("status", pa.string(), nullable=False),  # the episode's status
         pa.field("status_detail", pa.string()),
         pa.field("fork_reason", pa.string(), nullable=False),

@@ -53,7 +53,7 @@ from sidecar.guard import PolicyGuard
 from sidecar.metrics import Metrics
 from sidecar.policy import announced_policy, policy_context
 from sidecar.prefix import PrefixIndex
-from sidecar.record import CallRecord, checked_row
+from sidecar.record import SAMPLING_KEYS, CallRecord, checked_row
 from sidecar.redact import (
     configured_secrets,
     redacted_json,
@@ -75,7 +75,6 @@ _STRIPPED = tuple(name.encode() for name in (identity.EPISODE_HEADER, identity.T
 DEFAULT_MODEL_HOSTS = "api.openai.com,api.anthropic.com"
 MAX_RECORDED_BODY = 4 << 20  # bodies bigger than this are recorded as a note, not copied
 CONTEXT_RETRY_S = 10.0  # how often calls may ask a policy server that did not say its context (max_model_len)
-SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p")  # what shapes the distribution a token is drawn from
 PROBE_TIMEOUT_S = 2.0  # a replica that does not accept a connection within this is taken as down
 
 

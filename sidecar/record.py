@@ -22,6 +22,14 @@ SCHEMA_VERSION = 1
 STATUSES = ("ok", "truncated", "upstream_error", "error")
 APIS = ("chat", "completions", "responses", "messages")
 
+# What shapes the distribution a token is drawn from (vLLM's sampling parameters, by the names its chat, completions,
+# Responses and Messages routes take): the sidecar records those a call was sent with (``sampling``); the collector
+# reads them (collector.sampling).
+SAMPLING_KEYS = (
+    "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+    "min_tokens", "allowed_token_ids", "logit_bias", "bad_words",
+)  # fmt: skip
+
 CALL_SCHEMA = pa.schema(
     [
         pa.field("schema_version", pa.int16(), nullable=False),
@@ -59,9 +67,9 @@ CALL_SCHEMA = pa.schema(
         pa.field("max_tokens_requested", pa.int32()),
         pa.field("max_tokens_served", pa.int32()),
         # The sampling parameters the policy server was asked to sample with (JSON: temperature, top_p, top_k,
-        # min_p as sent upstream; a key left out takes the server's default, 1 / 1 / -1 / 0 on `forge serve`).
-        # The recorded logprobs are vLLM's raw ones: those of temperature 1 before any truncation, the sampling
-        # distribution exactly when none of these is set otherwise.
+        # min_p, penalties, allowed_token_ids, logit_bias, ... as sent upstream; a key left out takes the server's
+        # default: temperature 1, nothing else). `forge serve` returns processed logprobs: each recorded logprob is
+        # the token's under the distribution it was drawn from, after all of these (collector.sampling).
         pa.field("sampling", pa.string()),
         # Tokens-in continuation (sidecar.continuation): tokens_in (served from the earlier call's ids), retokenized
         # (the text extends an earlier call, the ids do not; served normally), rewrite (the text differs), or

@@ -21,6 +21,7 @@ from trainer.publish import TOLERANCE
 from trainer.serve import default_checkpoint
 
 FORGE = str(Path(sys.executable).parent / "forge")
+DEMO_TEMPERATURE = 0.8  # forge/demo/tasks/mini.yaml: the harness's own sampling setting
 
 
 @pytest.mark.integration
@@ -89,17 +90,20 @@ def test_a_short_demo_closes_the_loop(tmp_path: Path, s3_server) -> None:
         "SELECT run_id, call_id, model_served, prompt_token_ids, completion_token_ids, completion_logprobs, sampling "
         "FROM calls WHERE status = 'ok' ORDER BY run_id, call_id"
     ).fetchall()
-    # Sampled at the temperature the trainer computes at: the raw logprobs are the sampling distribution's.
-    assert {json.loads(row[-1])["temperature"] for row in served} == {1.0}
+    # Sampled at the harness's temperature (forge/demo/tasks/mini.yaml), recorded; the recorded logprobs are that
+    # distribution's, so teacher forcing computes at it.
+    assert {json.loads(row[-1])["temperature"] for row in served} == {DEMO_TEMPERATURE}
     served = [row[:-1] for row in served]
     gaps = []
     for run_id, call_id, model, prompt, completion, recorded in served:
         assert model == "forge-t", (call_id, model)  # the run's adapter served it, v0 too, never the base beside it
         version = 1 if run_id == "t-r2" else 0
-        gap = teacher.mean_abs_gap(recorded, teacher.logprobs(checkpoints / f"v{version}", base, prompt, completion))
+        forced = teacher.logprobs(checkpoints / f"v{version}", base, prompt, completion, DEMO_TEMPERATURE)
+        gap = teacher.mean_abs_gap(recorded, forced)
         assert gap <= TOLERANCE["float32"], (call_id, version, gap)
         if version and moved:
-            old = teacher.mean_abs_gap(recorded, teacher.logprobs(checkpoints / "v0", base, prompt, completion))
+            before = teacher.logprobs(checkpoints / "v0", base, prompt, completion, DEMO_TEMPERATURE)
+            old = teacher.mean_abs_gap(recorded, before)
             assert old > 10 * gap and old > TOLERANCE["float32"], (call_id, gap, old)
             gaps.append((gap, old))
     print(f"round 2 teacher forcing (mean |recorded - forced| under v1, under v0): {gaps}")

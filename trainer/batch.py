@@ -3,7 +3,9 @@
 A segment (``collector.episode.SEGMENT_SCHEMA``) is a token sequence with a loss mask and the behaviour logprobs
 of its sampled tokens. Its row: prompt = the tokens before its first trainable token, response = the rest,
 ``response_mask`` = the loss mask over the response, ``rollout_log_probs`` = the recorded behaviour logprobs.
-Nothing is re-tokenized: the ids are the ids vLLM sampled or was prompted with.
+Nothing is re-tokenized: the ids are the ids vLLM sampled or was prompted with. ``temperature`` (per row) = the
+segment's sampling temperature: veRL computes the row's logprobs at it, the distribution the recorded (processed)
+behaviour logprobs describe; a segment sampled otherwise (greedy, truncated, processors) is left out, counted.
 
 Unknown behaviour logprobs (NaN: vLLM gives none for a Responses function call's output or a stream's
 end-of-turn token; the sidecar counts them as ``n_unknown_logprobs``) stay trainable — a tool call or the end of a
@@ -27,7 +29,7 @@ from forge.errors import ForgeError
 
 # The segment columns a row needs; the schema module defines them, this only names the ones read.
 ROW_COLUMNS = ("episode_id", "group_id", "segment", "input_ids", "loss_mask", "behaviour_logprobs", "reward",
-               "policy_version_min", "policy_version_max")  # fmt: skip
+               "policy_version_min", "policy_version_max", "temperature")  # fmt: skip
 assert all(SEGMENT_SCHEMA.get_field_index(c) >= 0 for c in ROW_COLUMNS)
 
 
@@ -44,6 +46,9 @@ class Row:
     rollout_log_probs: list[float]  # behaviour logprobs over the response: 0 off the mask, NaN where unknown
     reward: float
     policy_version: int | None  # the oldest version that served a call of the segment
+    # The temperature its tokens were sampled at: the trainer's logprobs are log_softmax(logits / T), the
+    # distribution the behaviour logprobs describe (collector.sampling).
+    temperature: float = 1.0
 
     @property
     def n_unknown(self) -> int:
@@ -102,6 +107,9 @@ def rows_from_segments(segments: pa.Table) -> Batch:
         if first == 0:  # veRL needs a prompt of at least one token (a response is scored from the token before)
             batch.skipped["no_prompt"] = batch.skipped.get("no_prompt", 0) + 1
             continue
+        if seg["temperature"] is None:  # greedy, truncated (top_p, top_k, ...), processors or mixed temperatures
+            batch.skipped["sampling_not_modelled"] = batch.skipped.get("sampling_not_modelled", 0) + 1
+            continue
         ids, logprobs = seg["input_ids"], seg["behaviour_logprobs"]
         batch.rows.append(
             Row(
@@ -109,6 +117,7 @@ def rows_from_segments(segments: pa.Table) -> Batch:
                 prompt=list(ids[:first]), response=list(ids[first:]), response_mask=[int(m) for m in mask[first:]],
                 rollout_log_probs=[float("nan") if lp is None else float(lp) for lp in logprobs[first:]],
                 reward=float(seg["reward"]), policy_version=parse_version(seg["policy_version_min"]),
+                temperature=float(seg["temperature"]),
             )
         )  # fmt: skip
     return batch
@@ -143,6 +152,7 @@ def padded(rows: list[Row]) -> dict[str, torch.Tensor]:
     attention = torch.zeros(n, p_len + r_len, dtype=torch.long)
     response_mask = torch.zeros(n, r_len, dtype=torch.long)
     rollout = torch.zeros(n, r_len, dtype=torch.float32)
+    temperature = torch.tensor([row.temperature for row in rows], dtype=torch.float32)
     for i, row in enumerate(rows):
         lp, lr = len(row.prompt), len(row.response)
         prompts[i, p_len - lp :] = torch.tensor(row.prompt)
@@ -154,5 +164,5 @@ def padded(rows: list[Row]) -> dict[str, torch.Tensor]:
     return {
         "prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], dim=1),
         "attention_mask": attention, "position_ids": position_ids, "response_mask": response_mask,
-        "rollout_log_probs": rollout,
+        "rollout_log_probs": rollout, "temperature": temperature,
     }  # fmt: skip

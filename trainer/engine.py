@@ -106,7 +106,9 @@ def worker_config(settings: EngineSettings) -> tuple[Any, Any]:
 def to_engine_input(tensors: dict[str, torch.Tensor], max_token_len: int | None = None, **meta: Any) -> Any:
     """Padded tensors → veRL's no-padding TensorDict (nested input ids), with per-call settings as non-tensors.
 
-    ``max_token_len``: tokens per micro-batch, raised to the longest row (veRL asserts every row fits one)."""
+    ``temperature``: per row (``trainer.batch.padded``: each segment's sampling temperature; veRL divides that row's
+    logits by it), 1 for all where the tensors have none. ``max_token_len``: tokens per micro-batch, raised to the
+    longest row (veRL asserts every row fits one)."""
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import left_right_2_no_padding
 
@@ -114,7 +116,9 @@ def to_engine_input(tensors: dict[str, torch.Tensor], max_token_len: int | None 
         meta["max_token_len_per_gpu"] = max(max_token_len, int(tensors["attention_mask"].sum(-1).max()))
     data = tu.get_tensordict(dict(tensors))
     data = left_right_2_no_padding(data)
-    tu.assign_non_tensor(data, temperature=1.0, **meta)
+    if "temperature" not in tensors:
+        meta["temperature"] = 1.0
+    tu.assign_non_tensor(data, **meta)
     return data
 
 

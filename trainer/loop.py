@@ -47,7 +47,6 @@ from trainer.batch import Batch, episode_advantages, padded, parse_version, rows
 from trainer.publish import (
     PROBE_IDS,
     PROBE_STEPS,
-    PROBE_TOKEN,
     TOLERANCE,
     PolicyClient,
     PublishError,
@@ -215,7 +214,9 @@ class Trainer:
         self._engine: Any = None
         self._verify_v0 = False
         self.last_verify_split: dict[str, float] = {}
-        self.probe_logprobs: list[float] = []
+        # The server's last probe answer (the ids it sampled after PROBE_IDS and their logprobs): what it served before
+        # the next publish, to tell a publish that did not land from one that did.
+        self.server_probe: tuple[list[int], list[float]] | None = None
         self._claim_server()
 
     @property
@@ -238,7 +239,6 @@ class Trainer:
                 self._engine = PolicyEngine(engine_settings)
             if self.state.engine_checkpoint:
                 self._engine.load(self.state_dir / self.state.engine_checkpoint)
-            self.probe_logprobs = self._probe_logprobs()
             if self._verify_v0:
                 self.verify(0, str(self.model_dir))
         return self._engine
@@ -359,13 +359,16 @@ class Trainer:
 
     # ---- publish and commit ----------------------------------------------------------------------------------
     def publish(self, version: int) -> PublishResult:
-        """Write, then switch the server (paused) and probe it while the trainer probes the new weights."""
+        """Write, then switch the server (paused) and probe it: its answer must be the new weights'."""
         seconds: dict[str, float] = {}
         started = time.perf_counter()
         path = self._write(version)
         seconds["write"] = time.perf_counter() - started
+        before = self.server_probe or self.client.probe(self.policy_name, PROBE_IDS, PROBE_STEPS)
         with ThreadPoolExecutor(1, thread_name_prefix="forge-probe") as pool:
-            trainer_probe = pool.submit(self._timed_probe)  # the engine computes while the server loads
+            # The engine teacher-forces the server's previous probe ids while the server loads: one update rarely
+            # changes them (when it does, verify computes the new ones after the server's answer).
+            guess = pool.submit(self._probe_logprobs, before[0])
             started = time.perf_counter()
             if self.settings.lora_rank:
                 self._switch(lambda: self.client.load_adapter(self.adapter_name, path), version)
@@ -373,7 +376,7 @@ class Trainer:
                 self._switch(lambda: self.client.load_full(path), version)
             seconds["load"] = time.perf_counter() - started
             started = time.perf_counter()
-            result = self.verify(version, str(path), trainer_probe)
+            result = self.verify(version, str(path), before, guess)
             seconds["verify"] = time.perf_counter() - started
         result.seconds = seconds
         return result
@@ -393,37 +396,42 @@ class Trainer:
         finally:
             self.client.resume()
 
-    def verify(self, version: int, path: str, trainer_probe: Future | None = None) -> PublishResult:
-        """The server's probe logprobs equal the trainer's under the new weights (and not the old ones)."""
+    def verify(
+        self, version: int, path: str, before: tuple[list[int], list[float]] | None = None,
+        guess: Future | None = None,
+    ) -> PublishResult:  # fmt: skip
+        """The server's probe — its seeded continuation of PROBE_IDS and those tokens' logprobs — is the trainer's
+        under the new weights (teacher-forcing the server's ids), and, where the update moved them, not what the
+        server answered before (``before``: the server's probe answer before the load; ``guess``: the engine's
+        logprobs of ``before``'s ids, computed meanwhile)."""
         started = time.perf_counter()
-        served = self.client.probe_logprobs(self.policy_name, PROBE_IDS, PROBE_TOKEN, PROBE_STEPS)
+        ids, served = self.client.probe(self.policy_name, PROBE_IDS, PROBE_STEPS)
         server_s = time.perf_counter() - started
-        new, trainer_s = trainer_probe.result() if trainer_probe is not None else self._timed_probe()
-        old = self.probe_logprobs or new
-        self.last_verify_split = {"server_probe": server_s, "trainer_probe": trainer_s}
+        started = time.perf_counter()
+        guessed = guess.result() if guess is not None else None  # the engine is free again: never used twice at once
+        new = guessed if guessed is not None and before is not None and ids == before[0] else self._probe_logprobs(ids)
+        self.last_verify_split = {"server_probe": server_s, "trainer_probe": time.perf_counter() - started}
+        old_ids, old = before if before is not None else (ids, new)
         diff, diff_old = mean_abs_diff(served, new), mean_abs_diff(served, old)
         tolerance = TOLERANCE.get(self.settings.serving_dtype, TOLERANCE["auto"])
         if self.client.weight_version() != str(version):
             raise PublishError(f"the policy server reports version {self.client.weight_version()}, not {version}")
-        moved = mean_abs_diff(new, old)
+        # Same ids as before: the logprobs must have moved as the weights did. Other ids: the server's own seeded
+        # sample changed, which unchanged weights do not do.
+        moved = mean_abs_diff(new, old) if ids == old_ids else 0.0
         if not diff <= tolerance or (moved > tolerance and not diff < diff_old):
             raise PublishError(
                 f"publish of v{version} did not land: the server's probe logprobs differ from the new weights' by "
-                f"{diff:.2e} (tolerance {tolerance:.0e}) and from the old weights' by {diff_old:.2e}"
+                f"{diff:.2e} (tolerance {tolerance:.0e}) and from its own answer before the load by {diff_old:.2e}"
             )
-        self.probe_logprobs = new
+        self.server_probe = (ids, served)
         return PublishResult(version, path, probe_diff=diff, probe_diff_old=diff_old)
 
-    def _timed_probe(self) -> tuple[list[float], float]:
-        started = time.perf_counter()
-        return self._probe_logprobs(), time.perf_counter() - started
-
-    def _probe_logprobs(self) -> list[float]:
-        """The engine's logprobs of the probe's forced tokens after PROBE_IDS (what the server is asked)."""
+    def _probe_logprobs(self, ids: list[int]) -> list[float]:
+        """The engine's logprobs of ``ids`` after PROBE_IDS (the server's probe answer, teacher-forced)."""
         from trainer.batch import Row
 
-        row = Row("probe", "probe", 0, PROBE_IDS, [PROBE_TOKEN] * PROBE_STEPS, [1] * PROBE_STEPS,
-                  [0.0] * PROBE_STEPS, 0.0, None)  # fmt: skip
+        row = Row("probe", "probe", 0, PROBE_IDS, ids, [1] * len(ids), [0.0] * len(ids), 0.0, None)
         log_probs, _ = self.engine.log_probs(padded([row]))
         return [float(x) for x in log_probs[0].tolist()]
 

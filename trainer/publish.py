@@ -17,13 +17,18 @@ for ``/resume``, so the probe runs after it.)
    the old weights (the sidecar does not need to salt requests; vLLM answers ``success: false`` while requests
    hold blocks: it is retried, and a reset that never succeeds fails the publish).
 4. ``POST /update_weight_version``: the sidecar reads it from ``/weight_info`` and records it per call.
-5. Verify: the server's own logprobs of a fixed probe sequence must equal the trainer's logprobs of the same ids
-   under the new weights within a dtype tolerance, and be closer to them than to the previous version's.
-   Otherwise ``PublishError``: the run stops, nothing trains as if the version had landed. The server computes
-   them as a greedy completion of the fixed prompt restricted to one fixed token (``allowed_token_ids``; vLLM
-   reports raw logprobs, before that restriction), never with ``prompt_logprobs``: on a LoRA-enabled vLLM 0.32 CPU
-   server a ``prompt_logprobs`` request batched with any other request kills the engine (vllm#29955/#16668), and
-   the probe runs while the calls frozen by the pause resume. A fresh ``cache_salt`` keeps it off the prefix cache.
+5. Verify: the server continues a fixed prompt by 8 ids, sampled at temperature 1 with a fixed seed, and gives
+   their logprobs; the trainer teacher-forces those ids under the new weights: the logprobs must agree within a
+   dtype tolerance and, where the update moved them, differ from the server's own answer before the load (kept
+   from the previous publish). Otherwise ``PublishError``: the run stops, nothing trains as if the version had
+   landed. At temperature 1 with nothing else shaping the distribution the logprobs are the weights' own, whichever
+   ``--logprobs-mode`` the server runs (``forge serve``: processed, which restricting the probe to a fixed token
+   with ``allowed_token_ids`` would turn into 0); sampled rather than greedy, so the ids are the less certain ones
+   an update moves (greedy ids' logprobs sit near 0 and moved ~3e-4 in a step that moved sampled ones more); never
+   ``prompt_logprobs``: on a
+   LoRA-enabled vLLM 0.32 CPU server a ``prompt_logprobs`` request batched with any other request kills the engine
+   (vllm#29955/#16668), and the probe runs while the calls frozen by the pause resume. A fresh ``cache_salt`` keeps
+   it off the prefix cache.
 """
 
 import json
@@ -50,8 +55,8 @@ PROBE_IDS = [
     1, 4093, 198, 5820, 253, 9552, 1230, 284, 1643, 1701, 357, 314, 9552, 30, 2, 198, 1, 520, 9531, 198, 40357, 42,
     805, 582, 284, 4962, 10335, 357, 30, 2, 198,
 ]  # fmt: skip
-PROBE_TOKEN = 198  # the forced continuation ("\n": a plain token; a stop token would end or be masked)
-PROBE_STEPS = 8  # forced tokens after PROBE_IDS: the probe's 8 positions (1 prefill + 7 decode steps)
+PROBE_STEPS = 8  # sampled tokens after PROBE_IDS: the probe's 8 positions (1 prefill + 7 decode steps)
+PROBE_SEED = 20261205  # the probe's sampling seed: the same weights sample the same ids
 # Mean |server − trainer| over the probe a landed publish stays under (fp32 serving measured ~1e-5; bf16 ~5e-2).
 TOLERANCE = {"float32": 2e-4, "bfloat16": 1.5e-1, "float16": 5e-2, "auto": 1.5e-1}
 
@@ -66,7 +71,7 @@ class PublishResult:
     path: str
     seconds: dict[str, float] = field(default_factory=dict)  # write, load, verify
     probe_diff: float = math.nan  # mean |server − trainer(new)| over the probe
-    probe_diff_old: float = math.nan  # mean |server − trainer(old)|: what a publish that did not land would show
+    probe_diff_old: float = math.nan  # mean |server − its answer before the load|: 0 for a publish that did not land
 
 
 def checkpoint_name(run: str, version: int) -> str:
@@ -235,18 +240,20 @@ class PolicyClient:
     def resume(self) -> None:
         self._post("/resume", what="resume")
 
-    def probe_logprobs(self, model: str, prompt: list[int], token: int, steps: int) -> list[float]:
-        """The server's logprobs of ``token`` repeated ``steps`` times after ``prompt`` (greedy, restricted to it)."""
+    def probe(self, model: str, prompt: list[int], steps: int) -> tuple[list[int], list[float]]:
+        """The server's continuation of ``prompt`` (``steps`` ids sampled at temperature 1 with PROBE_SEED, end of
+        sequence ignored) and each id's logprob: with nothing shaping the distribution, the weights' own, in either
+        logprobs mode."""
         answer = self._post("/v1/completions", {
-            "model": model, "prompt": prompt, "max_tokens": steps, "ignore_eos": True, "temperature": 0,
-            "allowed_token_ids": [token], "logprobs": 0, "return_token_ids": True, "cache_salt": uuid.uuid4().hex,
+            "model": model, "prompt": prompt, "max_tokens": steps, "ignore_eos": True, "temperature": 1.0,
+            "seed": PROBE_SEED, "logprobs": 0, "return_token_ids": True, "cache_salt": uuid.uuid4().hex,
         }, what="the probe")  # fmt: skip
         choice = answer["choices"][0]
         ids, values = choice.get("token_ids") or [], (choice.get("logprobs") or {}).get("token_logprobs") or []
-        if ids != [token] * steps or len(values) != steps:
-            raise PublishError(f"the probe came back with ids {ids[:steps + 2]} and {len(values)} logprobs, not "
-                               f"{steps} × {token}")  # fmt: skip
-        return [float(x) for x in values]
+        if len(ids) != steps or len(values) != steps or not all(isinstance(v, int | float) for v in values):
+            raise PublishError(f"the probe came back with ids {ids[:steps + 2]} and logprobs {values[:steps + 2]}, "
+                               f"not {steps} of each")  # fmt: skip
+        return [int(i) for i in ids], [float(x) for x in values]
 
 
 def mean_abs_diff(a: list[float], b: list[float]) -> float:

@@ -133,6 +133,9 @@ class PolicyServer:
             "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
             "--enable-lora", "--max-lora-rank", "8",
             "--enable-scale-out",
+            # Each sampled token's logprob under the distribution it was drawn from (temperature, truncation,
+            # processors applied: collector.sampling); at temperature 1 with nothing else (the publish probe): raw.
+            "--logprobs-mode", "processed_logprobs",
             "--disable-uvicorn-access-log",
         ]  # fmt: skip
         if self.enforce_eager:

@@ -307,3 +307,26 @@ def test_a_call_that_straddles_a_publish_makes_its_episode_mixed():
     ep = episodes["ep"]
     assert (ep["policy_version_min"], ep["policy_version_max"], ep["mixed_versions"]) == ("3", "4", True)
     assert not episodes["steady"]["mixed_versions"] and episodes["steady"]["policy_version_max"] == "3"
+
+
+@pytest.mark.parametrize(
+    ("samplings", "temperature"),
+    [
+        ([None, None], 1.0),  # no column: records from before it, sampled at vLLM's default
+        (["{}", '{"temperature": 1}'], 1.0),  # none sent is vLLM's 1
+        (['{"temperature": 0.7}', '{"temperature": 0.7, "top_p": 1.0, "top_k": -1}'], 0.7),  # neutral values
+        (['{"temperature": 0.7}', '{"temperature": 0.8}'], None),  # changed mid-segment
+        (['{"temperature": 0.7, "top_p": 0.9}'] * 2, None),  # truncated: not log_softmax(logits / T)
+        (['{"temperature": 0}'] * 2, None),  # greedy
+        (['{"allowed_token_ids": [198]}'] * 2, None),  # a logits processor
+        (['{"temperature": "hot"}'] * 2, None),  # unreadable
+        (['{"temperature": 0.7, "mirostat": 2}'] * 2, None),  # a parameter collector.sampling does not know
+    ],
+)
+def test_a_segment_carries_the_temperature_its_calls_were_sampled_at_or_none(samplings, temperature):
+    episode = SyntheticEpisode("ep")
+    linear(episode, 2)
+    for row, sampling in zip(episode.rows, samplings, strict=True):
+        row["sampling"] = sampling
+    segments, _ = run(episode)
+    assert len(segments) == 1 and segments[0]["temperature"] == temperature

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from bench.fake_upstream import FakeUpstream
+from collector.sampling import plain_temperature
 from forge.paths import repo_root
 from trainer.serve import free_port
 
@@ -243,6 +244,9 @@ def _prompt_logprobs(vllm, policy_server, ids: list[int]) -> list[dict]:
 
 def _assert_forced(policy_server, call: dict, forced: list[dict]) -> None:
     ids = call["completion_token_ids"]
+    # The recorded logprobs are the sampling distribution's (forge serve: processed); vLLM's prompt logprobs are
+    # raw (temperature 1, nothing applied): the two agree for a call sampled at a plain temperature 1.
+    assert plain_temperature(call["sampling"]) == 1.0, f"not sampled at a plain temperature 1: {call['sampling']}"
     gaps = [
         abs(position[str(token)]["logprob"] - recorded)
         for token, recorded, position in zip(ids, call["completion_logprobs"], forced, strict=True)

@@ -1,10 +1,12 @@
 """Episodes recorded from the real vLLM server, written as the sidecar writes its call records.
 
-Each episode is one call: a token-id prompt to ``/v1/completions``, sampled at temperature 1 with the sampled ids
-(``return_token_ids``) and their logprobs, recorded with the version ``/weight_info`` reports — the fields the
-sidecar records for a Completions call. Rewards go to the store as ``forge reward`` writes them.
+Each episode is one call: a token-id prompt to ``/v1/completions``, sampled (temperature 1 unless given) with the
+sampled ids (``return_token_ids``) and their logprobs, recorded with the version ``/weight_info`` reports and the
+sampling parameters — the fields the sidecar records for a Completions call. Rewards go to the store as
+``forge reward`` writes them.
 """
 
+import json
 import math
 import uuid
 from dataclasses import dataclass
@@ -20,11 +22,14 @@ class Sample:
     completion: list[int]
     logprobs: list[float]
     version: str
+    temperature: float = 1.0
 
 
-def sample(client: httpx.Client, model: str, prompt: list[int], max_tokens: int, seed: int) -> Sample:
+def sample(
+    client: httpx.Client, model: str, prompt: list[int], max_tokens: int, seed: int, temperature: float = 1.0
+) -> Sample:
     answer = client.post("/v1/completions", json={
-        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 1.0, "seed": seed,
+        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, "seed": seed,
         "logprobs": 0, "return_token_ids": True,
     })  # fmt: skip
     assert answer.status_code == 200, answer.text
@@ -33,7 +38,7 @@ def sample(client: httpx.Client, model: str, prompt: list[int], max_tokens: int,
     logprobs = choice["logprobs"]["token_logprobs"]
     assert ids and len(logprobs) == len(ids)
     version = client.get("/weight_info").json()["weight_version"]
-    return Sample(prompt, ids, [float(x) for x in logprobs], str(version))
+    return Sample(prompt, ids, [float(x) for x in logprobs], str(version), temperature)
 
 
 def record(
@@ -52,6 +57,7 @@ def record(
             logprobs[-1] = math.nan
         row = episode.call(s.prompt, s.completion, logprobs=logprobs)
         row["api"] = "completions"
+        row["sampling"] = json.dumps({"temperature": s.temperature})
         row["n_unknown_logprobs"] = sum(1 for x in logprobs if math.isnan(x))
         rows += episode.rows
         ids.append(episode.episode_id)

@@ -170,3 +170,22 @@ def test_an_episode_whose_weights_are_unknown_is_never_trained_and_says_why(tmp_
     assert counts == {"known-1": 0, "known-2": 0, "unknown": 1}
     chosen, aged, waiting = select_groups(episodes, 0, "sync", 0, set(), 10)
     assert sorted(chosen) == ["known-1", "known-2"] and not aged and waiting["version_unknown"] == 1
+
+
+def test_a_segment_sampled_otherwise_than_at_a_plain_temperature_is_left_out_counted():
+    from bench.collector_generate import SyntheticEpisode
+    from collector.assemble import assemble
+    from sidecar.record import to_table
+    from trainer.batch import padded, rows_from_segments
+
+    rows = []
+    for name, sampling in [("warm", '{"temperature": 0.7}'), ("nucleus", '{"temperature": 0.7, "top_p": 0.5}')]:
+        episode = SyntheticEpisode(name)
+        episode.call(list(range(100, 140)), list(range(5000, 5008)))
+        episode.rows[-1]["sampling"] = sampling
+        rows += episode.rows
+    rewards = [{"episode_id": e, "reward": 1.0} for e in ("warm", "nucleus")]
+    segments, _ = assemble(to_table(rows, "calls"), to_table(rewards, "rewards"))
+    batch = rows_from_segments(segments)
+    assert [r.episode_id for r in batch.rows] == ["warm"] and batch.skipped == {"sampling_not_modelled": 1}
+    assert padded(batch.rows)["temperature"].tolist() == [0.699999988079071]  # per row, to veRL

@@ -153,6 +153,43 @@ def test_trainer_logprobs_of_recorded_tokens_agree_with_the_behaviour_logprobs(t
     assert (weights - 1).abs().max() < 1e-3
 
 
+HARNESS_TEMPERATURE = 0.7  # a harness's own setting, not the trainer's default of 1
+
+
+def test_at_a_harness_temperature_the_trainer_computes_the_distribution_the_tokens_were_drawn_from(
+    trainer, server, http, prompt, tmp_path
+):  # fmt: skip
+    """The behaviour policy is the sampling distribution: the server (processed logprobs) records each token's logprob
+    at the temperature it was sampled at, the collector carries that temperature to the segment, and the trainer's
+    logprobs of the same tokens (veRL, per-row temperature) are that distribution's; at temperature 1 they are not.
+    (Before: raw logprobs and a trainer at 1 — the two agreed with each other, not with the sampling distribution.)"""
+    samples = [sample(http, server.name, prompt, 24, seed=40 + i, temperature=HARNESS_TEMPERATURE) for i in range(2)]
+    record(str(tmp_path), samples, [1.0, 0.0], task_id="warm")
+    batch = rows_from_segments(trainable(Collector(str(tmp_path), progress=False).update().segments))
+    assert len(batch) == 2 and {row.temperature for row in batch.rows} == {HARNESS_TEMPERATURE}
+    tensors = padded(batch.rows)
+    mask = tensors["response_mask"].bool()
+    behaviour = tensors["rollout_log_probs"][mask]
+    at_t, _ = trainer.engine.log_probs(tensors)
+    at_one, _ = trainer.engine.log_probs({**tensors, "temperature": torch.ones_like(tensors["temperature"])})
+    gap, gap_one = (at_t[mask] - behaviour).abs().mean(), (at_one[mask] - behaviour).abs().mean()
+    # The server's own raw logprob of each token (teacher-forced, temperature 1) is what the trainer computes at 1.
+    raw = [teacher.mean_abs_gap(server_prompt_logprobs(http, server.name, s), s.logprobs) for s in samples]
+    print(f"T={HARNESS_TEMPERATURE}: mean |trainer(T) − behaviour| {gap:.2e}, |trainer(1) − behaviour| {gap_one:.2e}, "
+          f"|server raw − behaviour| {[f'{r:.2e}' for r in raw]}")  # fmt: skip
+    assert gap <= FP32_AGREEMENT and gap_one > 10 * max(float(gap), 1e-3)
+    assert min(raw) > 10 * max(float(gap), 1e-3)  # the recorded logprobs are not the raw (temperature-1) ones
+
+
+def server_prompt_logprobs(http: httpx.Client, model: str, s: Sample) -> list[float]:
+    """The server's raw logprob of each recorded completion token given its prompt (teacher-forced)."""
+    answer = http.post("/v1/completions", json={"model": model, "prompt": s.prompt + s.completion, "max_tokens": 1,
+                                                "temperature": 0, "prompt_logprobs": 0})  # fmt: skip
+    rows = answer.json()["choices"][0]["prompt_logprobs"]
+    ids = s.prompt + s.completion
+    return [rows[i][str(ids[i])]["logprob"] for i in range(len(s.prompt), len(ids))]
+
+
 def is_weights(trainer, batch) -> torch.Tensor:
     from trainer.loop import update_inputs
 
@@ -162,11 +199,7 @@ def is_weights(trainer, batch) -> torch.Tensor:
 
 def server_logprobs(http: httpx.Client, model: str, s: Sample) -> float:
     """The server's mean logprob of a recorded completion given its prompt (teacher-forced)."""
-    answer = http.post("/v1/completions", json={"model": model, "prompt": s.prompt + s.completion, "max_tokens": 1,
-                                                "temperature": 0, "prompt_logprobs": 0})  # fmt: skip
-    rows = answer.json()["choices"][0]["prompt_logprobs"]
-    ids = s.prompt + s.completion
-    values = [rows[i][str(ids[i])]["logprob"] for i in range(len(s.prompt), len(ids))]
+    values = server_prompt_logprobs(http, model, s)
     return sum(values) / len(values)
 
 
