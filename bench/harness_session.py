@@ -40,6 +40,7 @@ from pathlib import Path
 import httpx
 
 from bench.tokens_in import forks, render_request
+from collector.sampling import plain_temperature
 from tests.sidecar.conftest import Sidecar, SidecarFactory, claude_code_env, installed_harness, read_calls, wait_for
 
 PROMPTS = [
@@ -190,6 +191,8 @@ def served_tokens_in(calls: list[dict], upstream: str) -> list[tuple[dict, bool,
             positions = forced.json()["choices"][0]["prompt_logprobs"][len(prompt) :]
             recorded = zip(ids, call["completion_logprobs"], positions, strict=True)
             gaps = [abs(p[str(t)]["logprob"] - r) for t, r, p in recorded if not math.isnan(r)]
+            if plain_temperature(call["sampling"]) != 1.0:  # prompt logprobs are raw: comparable at 1 only
+                gaps = []
             out.append((call, exact, statistics.median(gaps) if gaps else None))
     return out
 

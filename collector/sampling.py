@@ -10,18 +10,48 @@ and says so (the trainer leaves such segments out, counted).
 
 import json
 import math
+from collections.abc import Callable
+from typing import Any
 
 from sidecar.record import SAMPLING_KEYS
 
-# A parameter at its neutral value does not shape the distribution (vLLM's defaults; top_k 0 and -1 both mean off).
-NEUTRAL: dict[str, tuple[object, ...]] = {
-    "top_p": (1, 1.0), "top_k": (0, -1), "min_p": (0, 0.0), "repetition_penalty": (1, 1.0),
-    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "min_tokens": (0,), "allowed_token_ids": (None, ()),
-    "logit_bias": (None,), "bad_words": (None, ()),
+
+def _off(value: Any) -> bool:
+    return value is None or value is False or value == [] or value == {} or value == ()
+
+
+def _number(neutral: tuple[float, ...]) -> Callable[[Any], bool]:
+    return lambda value: value is None or (not isinstance(value, bool) and value in neutral)
+
+
+def _no_format(value: Any) -> bool:  # Responses ``text`` / Anthropic ``output_config``: verbosity, effort, no schema
+    if _off(value):
+        return True
+    return isinstance(value, dict) and (_off(value.get("format")) or value.get("format") == {"type": "text"})
+
+
+# A parameter at its neutral value does not shape the distribution (vLLM's defaults; top_k 0 and -1 both mean off;
+# tool_choice "auto" and a text format mean no grammar). Anything else is not modelled.
+NEUTRAL: dict[str, Callable[[Any], bool]] = {
+    "top_p": _number((1,)), "top_k": _number((0, -1)), "min_p": _number((0,)), "repetition_penalty": _number((1,)),
+    "presence_penalty": _number((0,)), "frequency_penalty": _number((0,)), "min_tokens": _number((0,)),
+    "allowed_token_ids": _off, "logit_bias": _off, "bad_words": _off, "use_beam_search": _off,
+    "logits_processors": _off, "vllm_xargs": _off, "thinking_token_budget": _off, "structured_outputs": _off,
+    "guided_json": _off, "guided_regex": _off, "guided_choice": _off, "guided_grammar": _off,
+    "response_format": lambda v: _off(v) or v == {"type": "text"},
+    "tool_choice": lambda v: _off(v) or v in ("auto", "none", {"type": "auto"}, {"type": "none"}),
+    "text": _no_format, "output_config": _no_format,
 }  # fmt: skip
 assert set(NEUTRAL) == set(SAMPLING_KEYS) - {"temperature"}, "every recorded parameter has its neutral value here"
+
 DEFAULT_TEMPERATURE = 1.0  # vLLM's, for a request that sends none (SmolLM2's generation config sets none)
-GREEDY_BELOW = 1e-5  # vLLM samples greedily under this temperature (its _SAMPLING_EPS)
+# vLLM samples greedily at 0 and raises any temperature under 0.01 to 0.01 (SamplingParams): the recorded value is
+# then not the one sampled at; such calls are not modelled.
+LOWEST = 0.01
+
+
+def _never(value: Any) -> bool:
+    return False
 
 
 def plain_temperature(sampling: str | None) -> float | None:
@@ -35,21 +65,14 @@ def plain_temperature(sampling: str | None) -> float | None:
         if not isinstance(params, dict):
             return None
         for key, value in params.items():
-            if key == "temperature":
-                continue
-            neutral = NEUTRAL.get(key)
-            if neutral is None:
-                return None  # a parameter this module does not know: not claimed to be modelled
-            if isinstance(value, list | dict) and not value:
-                value = None if isinstance(value, dict) else ()
-            if value not in neutral:
-                return None
+            if key != "temperature" and not NEUTRAL.get(key, _never)(value):
+                return None  # shaped otherwise, or a parameter this module does not know: not modelled
         temperature = params.get("temperature", DEFAULT_TEMPERATURE)
         if temperature is None:
             temperature = DEFAULT_TEMPERATURE
         if isinstance(temperature, bool) or not isinstance(temperature, int | float):
             return None
         temperature = float(temperature)
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, OverflowError, RecursionError, AttributeError):
         return None
-    return temperature if math.isfinite(temperature) and temperature >= GREEDY_BELOW else None
+    return temperature if math.isfinite(temperature) and temperature >= LOWEST else None

@@ -27,7 +27,11 @@ APIS = ("chat", "completions", "responses", "messages")
 # reads them (collector.sampling).
 SAMPLING_KEYS = (
     "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
-    "min_tokens", "allowed_token_ids", "logit_bias", "bad_words",
+    "min_tokens", "allowed_token_ids", "logit_bias", "bad_words", "use_beam_search", "logits_processors",
+    "vllm_xargs", "thinking_token_budget",
+    # constrained decoding (a grammar masks the logits before sampling), by each route's name for it
+    "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+    "tool_choice", "text", "output_config",
 )  # fmt: skip
 
 CALL_SCHEMA = pa.schema(

@@ -136,6 +136,9 @@ class PolicyServer:
             # Each sampled token's logprob under the distribution it was drawn from (temperature, truncation,
             # processors applied: collector.sampling); at temperature 1 with nothing else (the publish probe): raw.
             "--logprobs-mode", "processed_logprobs",
+            # A parameter a call does not send takes vLLM's neutral default, not the model's generation config (a
+            # top_p there would shape every call without the record saying so).
+            "--generation-config", "vllm",
             "--disable-uvicorn-access-log",
         ]  # fmt: skip
         if self.enforce_eager:

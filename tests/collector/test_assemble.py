@@ -321,6 +321,16 @@ def test_a_call_that_straddles_a_publish_makes_its_episode_mixed():
         (['{"allowed_token_ids": [198]}'] * 2, None),  # a logits processor
         (['{"temperature": "hot"}'] * 2, None),  # unreadable
         (['{"temperature": 0.7, "mirostat": 2}'] * 2, None),  # a parameter collector.sampling does not know
+        (['{"temperature": 0.005}'] * 2, None),  # vLLM raises it to 0.01: not what was recorded
+        (['{"temperature": 1' + "0" * 400 + "}"] * 2, None),  # an integer no float holds
+        (['{"temperature": true}'] * 2, None),
+        # what Codex and Claude Code send (a verbosity, an effort, tool_choice auto): no grammar
+        (['{"text": {"verbosity": "low"}, "tool_choice": "auto"}', '{"output_config": {"effort": "medium"}}'], 1.0),
+        (['{"tool_choice": "required"}'] * 2, None),  # a grammar forces a tool call
+        (['{"text": {"format": {"type": "json_schema", "schema": {}}}}'] * 2, None),
+        (['{"response_format": {"type": "json_object"}}'] * 2, None),
+        (['{"structured_outputs": {"regex": "a+"}}'] * 2, None),
+        (['{"output_config": "x"}'] * 2, None),
     ],
 )
 def test_a_segment_carries_the_temperature_its_calls_were_sampled_at_or_none(samplings, temperature):

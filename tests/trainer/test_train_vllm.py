@@ -495,5 +495,10 @@ def test_a_lora_step_publishes_a_verified_adapter_that_the_sidecar_records(train
         base_call = call_through_sidecar(server, tmp_path, "base", "--model-map", f"*={server.name}")
         assert base_call["policy_version"] is None and base_call["policy_version_end"] is None
         assert "not the policy" in (base_call["note"] or "")
+        # The behavioural check tells such a call apart: served by the base (what every LoRA rollout was before the
+        # loop issue, whatever its label said), its tokens are v0's, not v1's.
+        with pytest.raises(AssertionError):
+            assert_sampled_by(base_call, checkpoints / "v1", previous=checkpoints / "v0")
+        assert_sampled_by(base_call, checkpoints / "v0", previous=checkpoints / "v1")
     finally:
         lora.close()
