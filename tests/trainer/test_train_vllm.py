@@ -419,7 +419,13 @@ def test_a_call_in_flight_across_a_publish_is_frozen_then_recorded_with_both_ver
                 answer["status"] = streamed.status_code
 
         window: list[float] = []
-        reset = trainer.client.reset_prefix_cache
+        reset, pause = trainer.client.reset_prefix_cache, trainer.client.pause
+        thread = threading.Thread(target=long_call)
+
+        def pause_mid_call() -> None:  # the long call starts streaming just before the pause, whatever came before it
+            thread.start()
+            wait_for(lambda: len(chunks) >= 3, timeout=300, what="the long call to stream")
+            pause()
 
         def slow_reset() -> None:  # a 3 s gap between the load and the version: the server must stay still in it
             reset()
@@ -427,10 +433,8 @@ def test_a_call_in_flight_across_a_publish_is_frozen_then_recorded_with_both_ver
             time.sleep(3.0)
             window.append(time.monotonic())
 
-        thread = threading.Thread(target=long_call)
-        thread.start()
-        wait_for(lambda: len(chunks) >= 3, timeout=300, what="the long call to stream")
         with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(trainer.client, "pause", pause_mid_call)
             patch.setattr(trainer.client, "reset_prefix_cache", slow_reset)
             result = trainer.publish(version)
         assert thread.is_alive(), "the long call ended before the publish: nothing was in flight across it"
