@@ -14,7 +14,10 @@ update (veRL's "bypass" choice, token by token): their importance ratio starts a
 never with a NaN, and they are counted in every step's metrics (``tokens_unknown_logprob``).
 
 Advantages are computed per episode (one reward, one score) by veRL's estimator registry, the collector's
-``group_id`` as the group index, then broadcast to every segment of the episode.
+``group_id`` as the group index, then broadcast to every segment of the episode. Every episode with a reward counts
+in its group's baseline, also one whose segments are all left out (an agent cannot move its siblings' baseline by
+making its own episodes untrainable); a group whose rewards are all equal teaches nothing (every advantage 0) and is
+left out of the update, counted (``zero_variance_group``), rather than diluting the token mean.
 """
 
 import math
@@ -61,6 +64,8 @@ class Batch:
 
     rows: list[Row]
     skipped: dict[str, int] = field(default_factory=dict)
+    # Every episode with a reward among the segments, trainable or not: (group_id, reward), the groups' baselines.
+    episodes: dict[str, tuple[str, float]] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -68,6 +73,25 @@ class Batch:
     @property
     def episode_ids(self) -> list[str]:
         return sorted({r.episode_id for r in self.rows})
+
+    def skip(self, reason: str, n: int = 1) -> None:
+        self.skipped[reason] = self.skipped.get(reason, 0) + n
+
+    @property
+    def flat_groups(self) -> set[str]:
+        """Groups of two or more episodes whose rewards are all equal: every advantage 0, nothing to learn."""
+        rewards: dict[str, list[float]] = {}
+        for group, reward in self.episodes.values():
+            rewards.setdefault(group, []).append(reward)
+        return {g for g, values in rewards.items() if len(values) > 1 and len(set(values)) == 1}
+
+    def leave_out_flat_groups(self, advantage: dict[str, float]) -> None:
+        """Leave out the rows of flat groups (counted, ``zero_variance_group``): they would only dilute the mean."""
+        flat = self.flat_groups
+        kept = [r for r in self.rows if r.group_id not in flat or advantage.get(r.episode_id, 0.0) != 0.0]
+        if len(kept) < len(self.rows):
+            self.skip("zero_variance_group", len(self.rows) - len(kept))
+        self.rows = kept
 
     @property
     def n_trainable(self) -> int:
@@ -94,21 +118,22 @@ def rows_from_segments(segments: pa.Table) -> Batch:
     batch = Batch(rows=[])
     for seg in segments.select(list(ROW_COLUMNS)).to_pylist():
         if not seg["episode_id"]:
-            batch.skipped["no_episode_id"] = batch.skipped.get("no_episode_id", 0) + 1
+            batch.skip("no_episode_id")
             continue
         if seg["reward"] is None or not math.isfinite(seg["reward"]):
-            batch.skipped["no_reward"] = batch.skipped.get("no_reward", 0) + 1
+            batch.skip("no_reward")
             continue
+        batch.episodes.setdefault(seg["episode_id"], (seg["group_id"], float(seg["reward"])))
         mask = seg["loss_mask"]
         first = next((i for i, m in enumerate(mask) if m), None)
         if first is None:
-            batch.skipped["nothing_trainable"] = batch.skipped.get("nothing_trainable", 0) + 1
+            batch.skip("nothing_trainable")
             continue
         if first == 0:  # veRL needs a prompt of at least one token (a response is scored from the token before)
-            batch.skipped["no_prompt"] = batch.skipped.get("no_prompt", 0) + 1
+            batch.skip("no_prompt")
             continue
         if seg["temperature"] is None:  # greedy, truncated (top_p, top_k, ...), processors or mixed temperatures
-            batch.skipped["sampling_not_modelled"] = batch.skipped.get("sampling_not_modelled", 0) + 1
+            batch.skip("sampling_not_modelled")
             continue
         ids, logprobs = seg["input_ids"], seg["behaviour_logprobs"]
         batch.rows.append(
@@ -123,13 +148,15 @@ def rows_from_segments(segments: pa.Table) -> Batch:
     return batch
 
 
-def episode_advantages(rows: list[Row], estimator: str, norm_by_std: bool = True) -> dict[str, float]:
-    """One advantage per episode from veRL's registered estimator (GRPO, RLOO, ...), grouped by ``group_id``."""
+def episode_advantages(
+    episodes: "dict[str, tuple[str, float]] | list[Row]", estimator: str, norm_by_std: bool = True
+) -> dict[str, float]:
+    """One advantage per episode from veRL's registered estimator (GRPO, RLOO, ...), grouped by ``group_id``:
+    ``episodes`` maps each episode to (group_id, reward) (``Batch.episodes``: also those left out), or rows."""
     from verl.trainer.ppo.core_algos import get_adv_estimator_fn
 
-    episodes: dict[str, tuple[str, float]] = {}
-    for row in rows:
-        episodes.setdefault(row.episode_id, (row.group_id, row.reward))
+    if isinstance(episodes, list):
+        episodes = {r.episode_id: (r.group_id, r.reward) for r in episodes}
     ids = sorted(episodes)
     scores = torch.tensor([[episodes[e][1]] for e in ids], dtype=torch.float32)
     index = np.array([episodes[e][0] for e in ids], dtype=object)

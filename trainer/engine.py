@@ -40,6 +40,9 @@ class EngineSettings:
     grad_clip: float = 1.0
     freeze_tied_embedding: bool = True  # see PolicyEngine._freeze_tied_embedding
     seed: int = 1
+    # Passes over a step's batch (veRL's ppo_epochs), each an optimizer step: the first on-policy, the next ones
+    # off it by the previous passes' updates (the PPO clip bounds how far).
+    epochs: int = 1
 
 
 def init_distributed() -> None:
@@ -205,13 +208,14 @@ class PolicyEngine:
         return log_probs, entropy
 
     def update(self, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
-        """One optimizer step over the whole batch (one mini-batch, one epoch): veRL's train_mini_batch."""
+        """``epochs`` optimizer steps over the whole batch (one mini-batch): veRL's train_mini_batch."""
         from verl.utils import tensordict_utils as tu
 
         n = tensors["responses"].shape[0]
         data = to_engine_input(
             tensors, self.settings.max_token_len, compute_loss=True, calculate_entropy=True, global_batch_size=n,
-            mini_batch_size=n, epochs=1, seed=self.settings.seed, dataloader_kwargs={"shuffle": False},
+            mini_batch_size=n, epochs=self.settings.epochs, seed=self.settings.seed,
+            dataloader_kwargs={"shuffle": False},
         )  # fmt: skip
         output = self.worker.train_mini_batch(data)
         return dict(tu.get(output, "metrics"))

@@ -64,6 +64,11 @@ class NothingReady(ForgeError):
     """Trainer.step(every_ready=True) found no whole group to train on."""
 
 
+class NothingToLearn(NothingReady):
+    """The step's episodes hold no row to learn from (every group flat, nothing trainable): they are consumed
+    (``TrainState.skipped``), the version stays."""
+
+
 @dataclass
 class TrainSettings:
     store: str
@@ -94,6 +99,8 @@ class TrainSettings:
     workers_per_node: int = 0  # --workers over several nodes: ranks per node (0: all on one)
     max_token_len: int | None = None  # tokens per micro-batch (veRL's dynamic batch size); None: the engine's
     gradient_checkpointing: bool = False  # less memory per micro-batch, ~1.3x the compute (trainer.engine)
+    epochs: int = 1  # optimizer steps over each step's batch (veRL's ppo_epochs; the PPO clip bounds the later ones)
+    seed: int = 1  # the engine's (LoRA's initial A matrix, dropout); the policy server's sampling is its own
 
 
 @dataclass
@@ -228,7 +235,8 @@ class Trainer:
             s = self.settings
             engine_settings = EngineSettings(model_dir=self.model_dir, lora_rank=s.lora_rank, lr=s.lr,
                                              loss_mode=s.loss_mode, kl_coef=s.kl_coef, kl_type=s.kl_type,
-                                             gradient_checkpointing=s.gradient_checkpointing)  # fmt: skip
+                                             gradient_checkpointing=s.gradient_checkpointing, epochs=s.epochs,
+                                             seed=s.seed)  # fmt: skip
             if s.max_token_len:
                 engine_settings.max_token_len = s.max_token_len
             if s.workers > 1:
@@ -275,7 +283,12 @@ class Trainer:
     # ---- one round -------------------------------------------------------------------------------------------
     def run(self) -> None:
         while self.state.step < self.settings.steps:
-            metrics = self.step()
+            try:
+                metrics = self.step()
+            except NothingToLearn as error:  # consumed; wait for the next episodes
+                print(json.dumps({"step": self.state.step, "version": self.state.version, "skipped": str(error)}),
+                      flush=True)  # fmt: skip
+                continue
             line = json.dumps(metrics, default=_json_default)
             with (self.state_dir / "metrics.jsonl").open("a") as out:
                 out.write(line + "\n")
@@ -287,10 +300,16 @@ class Trainer:
         s, version = self.settings, self.state.version
         segments, episode_ids, aged, ages = self.wait_for_episodes(every_ready)
         batch = rows_from_segments(segments)
-        if not batch.rows:
-            raise ForgeError(f"the episodes of v{version} hold nothing trainable ({batch.skipped})")
-        tensors, metrics, advantage = update_inputs(
-            batch, s.algo, s.correction, s.rollout_is, s.rollout_is_threshold, lambda t: self.engine.log_probs(t)
+        advantage = episode_advantages(batch.episodes, s.algo) if batch.episodes else {}
+        batch.leave_out_flat_groups(advantage)
+        if not batch.rows:  # consumed all the same: they never become trainable, nor are they waited for again
+            self.skip(episode_ids + aged)
+            raise NothingToLearn(
+                f"the {len(episode_ids)} episodes of v{version} hold nothing to learn from: "
+                + ", ".join(f"{n} segments {k.replace('_', ' ')}" for k, n in batch.skipped.items())
+            )
+        tensors, metrics = update_inputs(
+            batch, advantage, s.correction, s.rollout_is, s.rollout_is_threshold, lambda t: self.engine.log_probs(t)
         )
         mask, unknown = tensors["response_mask"].bool(), metrics.pop("_unknown")
         tokens = int(mask.sum())
@@ -301,11 +320,12 @@ class Trainer:
         update_s = time.perf_counter() - started
         published = self.publish(version + 1)
         self.commit(episode_ids, aged, version + 1)
-        rewards = torch.tensor([r for r in {r.episode_id: r.reward for r in batch.rows}.values()])
-        advantages = torch.tensor(list(advantage.values()))
+        rewards = torch.tensor([reward for _, reward in batch.episodes.values()])
+        advantages = torch.tensor([advantage[e] for e in batch.episode_ids])
         metrics.update({
             "step": self.state.step, "version": self.state.version, "episodes": len(episode_ids),
             "segments": len(batch), "groups_aged_out_episodes": len(aged), "skipped_segments": batch.skipped,
+            "zero_variance_groups": len(batch.flat_groups),
             "reward_mean": rewards.mean().item(), "reward_std": rewards.std().item() if len(rewards) > 1 else 0.0,
             "advantage_mean": advantages.mean().item(), "advantage_abs_mean": advantages.abs().mean().item(),
             "kl_behaviour": _first(update, "actor/ppo_kl"), "clip_frac": _first(update, "actor/pg_clipfrac"),
@@ -441,6 +461,13 @@ class Trainer:
             self._engine.close()
             self._engine = None
 
+    def skip(self, episode_ids: list[str]) -> None:
+        """Consume episodes without an update: the step, the version and the engine's checkpoint stay."""
+        self.state = TrainState(step=self.state.step, version=self.state.version, trained=self.state.trained,
+                                skipped=self.state.skipped + episode_ids,
+                                engine_checkpoint=self.state.engine_checkpoint)  # fmt: skip
+        self._write_state()
+
     def commit(self, episode_ids: list[str], aged: list[str], version: int) -> None:
         step = self.state.step + 1
         name = f"engine-step-{step}"
@@ -450,24 +477,27 @@ class Trainer:
         previous = self.state.engine_checkpoint
         self.state = TrainState(step=step, version=version, trained=self.state.trained + episode_ids,
                                 skipped=self.state.skipped + aged, engine_checkpoint=name)  # fmt: skip
-        staging = self.state_dir / ".state.json.tmp"
-        staging.write_text(json.dumps(asdict(self.state)))
-        os.replace(staging, self.state_dir / "state.json")
+        self._write_state()
         if previous and previous != name:
             shutil.rmtree(self.state_dir / previous, ignore_errors=True)
 
+    def _write_state(self) -> None:
+        staging = self.state_dir / ".state.json.tmp"
+        staging.write_text(json.dumps(asdict(self.state)))
+        os.replace(staging, self.state_dir / "state.json")
+
 
 def update_inputs(
-    batch: Batch, algo: str, correction: str, rollout_is: str | None, threshold: float,
+    batch: Batch, advantage: dict[str, float], correction: str, rollout_is: str | None, threshold: float,
     log_probs: Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, torch.Tensor]],
-) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, float]]:  # fmt: skip
-    """The tensors ``ppo_loss`` reads: advantages (veRL's estimator), old logprobs and, decoupled, IS weights.
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:  # fmt: skip
+    """The tensors ``ppo_loss`` reads: advantages (per episode, ``episode_advantages``), old logprobs and,
+    decoupled, IS weights.
 
     ``log_probs`` (the engine's current logprobs) is called only when needed: for unknown behaviour logprobs and
     for the decoupled correction. Bypass on data without unknowns never recomputes: sync and async (any k) then
     feed veRL exactly the same tensors for the same episodes.
     """
-    advantage = episode_advantages(batch.rows, algo)
     tensors = padded(batch.rows)
     mask = tensors["response_mask"].bool()
     tensors["advantages"] = torch.tensor([advantage[r.episode_id] for r in batch.rows])[:, None] * mask
@@ -493,7 +523,7 @@ def update_inputs(
         metrics.update({f"is/{k.split('/')[-1]}": _scalar(v) for k, v in corr.items() if _is_number(v)})
     else:
         tensors["old_log_probs"] = behaviour
-    return tensors, metrics, advantage
+    return tensors, metrics
 
 
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:

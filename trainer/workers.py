@@ -129,7 +129,8 @@ class RayPolicyEngine:
         n = tensors["responses"].shape[0]
         data = to_engine_input(
             tensors, self.settings.max_token_len, compute_loss=True, calculate_entropy=True, global_batch_size=n,
-            mini_batch_size=n, epochs=1, seed=self.settings.seed, dataloader_kwargs={"shuffle": False},
+            mini_batch_size=n, epochs=self.settings.epochs, seed=self.settings.seed,
+            dataloader_kwargs={"shuffle": False},
         )  # fmt: skip
         output = self.group.train_mini_batch(data).get()
         return dict(tu.get(output, "metrics"))

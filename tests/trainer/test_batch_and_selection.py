@@ -74,7 +74,9 @@ def test_unknown_behaviour_logprobs_take_the_trainers_own_and_never_reach_the_lo
         return torch.full(tensors["responses"].shape, -3.0), torch.zeros(tensors["responses"].shape)
 
     for correction in ("bypass", "decoupled"):
-        tensors, metrics, _ = update_inputs(batch, "grpo", correction, "token", 2.0, trainer_logprobs)
+        tensors, metrics = update_inputs(
+            batch, episode_advantages(batch.episodes, "grpo"), correction, "token", 2.0, trainer_logprobs
+        )
         mask = tensors["response_mask"].bool()
         assert all(torch.isfinite(t).all() for t in tensors.values() if t.is_floating_point())
         assert int(metrics["_unknown"].sum()) == 2
@@ -97,8 +99,8 @@ def test_bypass_without_unknowns_never_recomputes_so_async_k0_feeds_veRL_what_sy
     def never(tensors):
         raise AssertionError("bypass on known logprobs must not recompute")
 
-    first, _, _ = update_inputs(batch, "grpo", "bypass", None, 2.0, never)
-    second, _, _ = update_inputs(batch, "grpo", "bypass", None, 2.0, never)
+    first, _ = update_inputs(batch, episode_advantages(batch.episodes, "grpo"), "bypass", None, 2.0, never)
+    second, _ = update_inputs(batch, episode_advantages(batch.episodes, "grpo"), "bypass", None, 2.0, never)
     assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
 
 
@@ -189,3 +191,61 @@ def test_a_segment_sampled_otherwise_than_at_a_plain_temperature_is_left_out_cou
     batch = rows_from_segments(segments)
     assert [r.episode_id for r in batch.rows] == ["warm"] and batch.skipped == {"sampling_not_modelled": 1}
     assert padded(batch.rows)["temperature"].tolist() == [0.699999988079071]  # per row, to veRL
+
+
+def batch_of(episodes: list[tuple[str, str, float, str]]):
+    """(episode id, task id, reward, sampling JSON): one call each, assembled by the collector → the trainer's batch."""
+    from bench.collector_generate import SyntheticEpisode
+    from collector.assemble import assemble
+    from sidecar.record import to_table
+
+    rows = []
+    for n, (name, task, _, sampling) in enumerate(episodes):
+        episode = SyntheticEpisode(name, task_id=task)
+        episode.call(list(range(100 + n, 140 + n)), list(range(5000 + 10 * n, 5008 + 10 * n)))
+        episode.rows[-1]["sampling"] = sampling
+        rows += episode.rows
+    rewards = [{"episode_id": e, "reward": r} for e, _, r, _ in episodes]
+    segments, _ = assemble(to_table(rows, "calls"), to_table(rewards, "rewards"))
+    return rows_from_segments(segments)
+
+
+def test_an_episode_left_out_still_counts_in_its_groups_baseline():
+    """The agent cannot pick its group's baseline by making one of its episodes untrainable (an unmodelled sampling
+    parameter): that episode's reward still counts. Before: the baseline was the trainable episodes' alone
+    (a: +0.707, b: −0.707, as if c had never run)."""
+    batch = batch_of([("a", "t", 1.0, '{"temperature": 0.8}'), ("b", "t", 0.0, '{"temperature": 0.8}'),
+                      ("c", "t", 0.0, '{"temperature": 0.8, "top_p": 0.5}')])  # fmt: skip
+    assert batch.episode_ids == ["a", "b"] and batch.skipped == {"sampling_not_modelled": 1}
+    advantage = episode_advantages(batch.episodes, "grpo")
+    # GRPO over rewards (1, 0, 0): mean 1/3, sd (unbiased) 1/√3
+    assert advantage["a"] == pytest.approx((1 - 1 / 3) * math.sqrt(3), abs=1e-4)
+    assert advantage["b"] == pytest.approx(-(1 / 3) * math.sqrt(3), abs=1e-4)
+
+
+def test_a_group_whose_rewards_are_all_equal_is_left_out_of_the_update_counted():
+    plain = '{"temperature": 0.8}'
+    batch = batch_of([("a", "t", 1.0, plain), ("b", "t", 0.0, plain), ("c", "u", 0.5, plain), ("d", "u", 0.5, plain),
+                      ("e", "v", 0.5, plain)])  # fmt: skip
+    advantage = episode_advantages(batch.episodes, "grpo")
+    assert batch.flat_groups == {"run-1/u/v0"}  # "v" is a group of one: veRL's GRPO gives it its raw score, it stays
+    batch.leave_out_flat_groups(advantage)
+    assert batch.episode_ids == ["a", "b", "e"] and batch.skipped == {"zero_variance_group": 2}
+
+
+def test_a_step_with_nothing_to_learn_consumes_its_episodes_without_an_update(tmp_path, monkeypatch):
+    from trainer.loop import NothingToLearn
+
+    store = store_of(tmp_path / "store", [("a", "t", "0", 0.5), ("b", "t", "0", 0.5)])
+    trainer = Trainer.__new__(Trainer)  # no policy server or engine: nothing may reach them
+    trainer.settings = TrainSettings(store=str(store), policy_url="http://127.0.0.1:9", idle_seconds=0.0)
+    trainer.state, trainer.state_dir = TrainState(), tmp_path / "state"
+    trainer.state_dir.mkdir()
+    trainer.collector = Collector(str(store), idle_seconds=0.0, progress=False)
+    monkeypatch.setattr(Trainer, "engine", property(lambda self: pytest.fail("no update when nothing is learnable")))
+    with pytest.raises(NothingToLearn, match="2 segments zero variance group"):
+        trainer.step(every_ready=True)
+    state = TrainState(**__import__("json").loads((tmp_path / "state" / "state.json").read_text()))
+    assert state.step == 0 and state.version == 0 and sorted(state.skipped) == ["a", "b"] and not state.trained
+    with pytest.raises(NothingReady):  # consumed: not offered again
+        trainer.step(every_ready=True)

@@ -191,9 +191,12 @@ def server_prompt_logprobs(http: httpx.Client, model: str, s: Sample) -> list[fl
 
 
 def is_weights(trainer, batch) -> torch.Tensor:
+    from trainer.batch import episode_advantages
     from trainer.loop import update_inputs
 
-    tensors, _, _ = update_inputs(batch, "grpo", "decoupled", "token", 2.0, trainer.engine.log_probs)
+    tensors, _ = update_inputs(
+        batch, episode_advantages(batch.episodes, "grpo"), "decoupled", "token", 2.0, trainer.engine.log_probs
+    )
     return tensors["rollout_is_weights"][tensors["response_mask"].bool()]
 
 
