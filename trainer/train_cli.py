@@ -23,6 +23,11 @@ from forge.errors import ForgeError
 )
 @click.option("--lr", type=float, default=1e-5, show_default=True)
 @click.option(
+    "--epochs", type=int, default=1, show_default=True,
+    help="Optimizer steps over each step's batch (veRL's ppo_epochs; PPO's clip bounds the later ones).",
+)  # fmt: skip
+@click.option("--seed", type=int, default=1, show_default=True, help="The engine's seed (LoRA's initial weights).")
+@click.option(
     "--correction", type=click.Choice(["bypass", "decoupled"]), default="bypass", show_default=True,
     help="bypass: PPO's ratio against the behaviour logprobs; decoupled: veRL's rollout IS weights.",
 )  # fmt: skip

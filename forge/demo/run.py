@@ -29,6 +29,7 @@ from k8s.tasks import Task, load_tasks
 
 TASKS_DIR = Path(__file__).parent / "tasks"
 TASKS_FILE = TASKS_DIR / "tasks.jsonl"
+HELDOUT_FILE = TASKS_DIR / "heldout.jsonl"  # the same kind of chores, never trained on: the demo's verdict
 
 
 @dataclass
@@ -37,18 +38,22 @@ class DemoSettings:
     run: str
     store: str | None = None  # default: <out>/store
     s3_endpoint: str | None = None
-    tasks: int = 2
+    tasks: int = 8
     rollouts: int = 4  # G: rollouts per task per round (one GRPO group)
     rounds: int = 3
     concurrency: int = 4
     lora_rank: int = 8  # 0: full weights
-    lr: float = 2e-4
+    lr: float = 1e-3
     algo: str = "grpo"
     harness: Path | None = None  # mini-swe-agent's `mini` (default: scripts/harness.sh's install)
     policy_url: str | None = None  # a running `forge serve` (default: start one for the demo)
     progress: bool = True
     tasks_file: Path = TASKS_FILE
     harness_env: dict[str, str] = field(default_factory=dict)  # extra settings for every rollout
+    epochs: int = 4  # optimizer steps per round over its batch (veRL's ppo_epochs)
+    seed: int = 1  # the trainer's (LoRA's initial weights); the policy server samples with its own randomness
+    heldout_file: Path = HELDOUT_FILE
+    heldout_samples: int = 0  # per held-out task, before training and after the last round; 0: no evaluation
 
     @property
     def store_uri(self) -> str:
@@ -196,31 +201,66 @@ def summary_table(rounds: list[RoundStats]) -> str:
     return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:]])
 
 
-def plot_rounds(rounds: list[RoundStats], path: Path, title: str) -> None:
+def heldout_figures(path: Path) -> dict[str, float]:
+    """An evaluation's overall mean reward with its 95 % t-interval (n samples), for the plot and summary.json."""
+    from forge.evaluation import report
+
+    rewards = [r for task in report.read(path).tasks for r in task.rewards]
+    n = len(rewards)
+    mean = sum(rewards) / n if n else math.nan
+    sd = math.sqrt(sum((r - mean) ** 2 for r in rewards) / (n - 1)) if n > 1 else 0.0
+    half = ci95(mean, sd, n)
+    return {"n": n, "mean_reward": mean, "ci95_low": mean - half, "ci95_high": mean + half}
+
+
+def ci95(mean: float, sd: float, n: int) -> float:
+    """Half-width of the 95 % t-interval of a mean of n samples (nan below 2)."""
+    from scipy import stats
+
+    return float(stats.t.ppf(0.975, n - 1)) * sd / math.sqrt(n) if n > 1 else math.nan
+
+
+def plot_rounds(
+    rounds: list[RoundStats], path: Path, title: str, heldout: list[tuple[int, dict[str, float]]] | None = None
+) -> None:  # fmt: skip
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     x = [s.round for s in rounds]
-    figure, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    figure, axes = plt.subplots(1, 4, figsize=(16, 3.8))
     means = [s.reward_mean for s in rounds]
-    sds = [s.reward_sd for s in rounds]
-    axes[0].errorbar(x, means, yerr=sds, marker="o", capsize=3)
-    axes[0].set_title("reward per round (mean ± sd)")
-    axes[1].bar(x, [s.zero_variance_groups for s in rounds], label="zero-variance groups")
-    axes[1].set_ylim(0, max(1, max(s.groups for s in rounds)))
-    axes[1].set_title("groups with equal rewards (bars); fork rate (line)")
-    forks = axes[1].twinx()
+    half = [ci95(s.reward_mean, s.reward_sd, s.complete) for s in rounds]
+    axes[0].plot(x, means, marker="o")
+    axes[0].fill_between(x, [m - h for m, h in zip(means, half, strict=True)],
+                         [m + h for m, h in zip(means, half, strict=True)], alpha=0.25)  # fmt: skip
+    axes[0].set_title("training reward per round (mean, 95% CI)")
+    heldout = heldout or []
+    labels = [f"v{v}" for v, _ in heldout]
+    values = [f["mean_reward"] for _, f in heldout]
+    errors = [
+        [f["mean_reward"] - f["ci95_low"] for _, f in heldout],
+        [f["ci95_high"] - f["mean_reward"] for _, f in heldout],
+    ]
+    axes[1].bar(
+        labels, values, yerr=errors if heldout else None, capsize=5, color=["#999999", "#2b7bba"][: len(heldout)]
+    )
+    axes[1].set_title("held-out mean reward (95% CI)" if heldout else "held-out: not evaluated")
+    axes[1].set_ylim(0, 1)
+    axes[2].bar(x, [s.zero_variance_groups for s in rounds], label="zero-variance groups")
+    axes[2].set_ylim(0, max(1, max(s.groups for s in rounds)))
+    axes[2].set_title("groups with equal rewards (bars); fork rate (line)")
+    forks = axes[2].twinx()
     forks.plot(x, [s.fork_rate for s in rounds], "k--", marker=".")
     forks.set_ylim(0, 1.05)
     forks.set_ylabel("fork rate")
-    axes[2].bar([i - 0.2 for i in x], [s.rollout_s for s in rounds], 0.4, label="rollouts")
-    axes[2].bar([i + 0.2 for i in x], [0 if math.isnan(s.update_s) else s.update_s + s.publish_s for s in rounds],
+    axes[3].bar([i - 0.2 for i in x], [s.rollout_s for s in rounds], 0.4, label="rollouts")
+    axes[3].bar([i + 0.2 for i in x], [0 if math.isnan(s.update_s) else s.update_s + s.publish_s for s in rounds],
                 0.4, label="update + publish")  # fmt: skip
-    axes[2].set_title("seconds per round")
-    axes[2].legend(fontsize=8)
-    for ax in axes:
+    axes[3].set_title("seconds per round")
+    axes[3].legend(fontsize=8)
+    for ax in (axes[0], axes[2], axes[3]):
         ax.set_xlabel("round")
         ax.set_xticks(x)
     figure.suptitle(title, fontsize=10)
@@ -235,6 +275,8 @@ class Demo:
         self.echo = echo
         self.rounds: list[RoundStats] = []
         self.files: dict[str, Path] = {}
+        self.heldout: list[tuple[int, Path]] = []  # (version, its eval.json): v0, then the last version
+        self.verdict = ""
         self.started = 0.0  # set when run() begins: the wall time counts from there
 
     def run(self) -> list[RoundStats]:
@@ -258,18 +300,24 @@ class Demo:
         else:
             policy_url = s.policy_url.rstrip("/").removesuffix("/v1")
         try:
-            self._rounds(tasks, policy_url)
+            trainer = self._trainer(policy_url)
+            if s.heldout_samples:
+                self.evaluate(trainer, policy_url, mini)
+            self._rounds(trainer, tasks, policy_url)
+            if s.heldout_samples:
+                self.evaluate(trainer, policy_url, mini)
+                self.compare()
         finally:
             if server is not None:
                 server.stop()
         self.finish(time.monotonic() - self.started)
         return self.rounds
 
-    def _rounds(self, tasks: list[Task], policy_url: str) -> None:
-        from trainer.loop import NothingReady, Trainer, TrainSettings
+    def _trainer(self, policy_url: str):  # -> trainer.loop.Trainer (imported late: torch, veRL)
+        from trainer.loop import Trainer, TrainSettings
 
         s = self.settings
-        trainer = Trainer(
+        return Trainer(
             TrainSettings(
                 store=s.store_uri, policy_url=policy_url, run=s.run, mode="sync", steps=s.rounds,
                 episodes_per_step=1, lora_rank=s.lora_rank, algo=s.algo, lr=s.lr, s3_endpoint=s.s3_endpoint,
@@ -277,10 +325,46 @@ class Demo:
                 idle_seconds=0.0,  # a round's rollouts have all ended before it is collected: no reward = none
                 # Memory on a laptop-sized machine: micro-batches of ~1k tokens (logits are tokens × 49k vocabulary
                 # in fp32) and recomputed activations keep the update at ~5 GB (16k-token micro-batches: 13 GB).
-                max_token_len=1024, gradient_checkpointing=True,
+                max_token_len=1024, gradient_checkpointing=True, epochs=s.epochs, seed=s.seed,
             ),
             echo=self.echo,
         )  # fmt: skip
+
+    def evaluate(self, trainer, policy_url: str, mini: Path) -> None:
+        """`forge eval` of the policy as it is now on the held-out tasks (run eval-<run>-v<version>)."""
+        from forge.evaluation.run import EvalSettings, evaluate
+
+        s = self.settings
+        version = trainer.state.version
+        self.echo(f"forge demo: held-out evaluation of v{version}: {s.heldout_samples} samples of each task in "
+                  f"{s.heldout_file.name}")  # fmt: skip
+        out = s.out / f"heldout-v{version}"
+        evaluate(
+            EvalSettings(
+                tasks_file=s.heldout_file, samples=s.heldout_samples, out=out, ks=[1, min(3, s.heldout_samples)],
+                run=f"eval-{s.run}-v{version}", policy_url=policy_url, policy_model=trainer.policy_name,
+                store=s.store_uri, s3_endpoint=s.s3_endpoint, concurrency=s.concurrency, harness=mini,
+                progress=s.progress,
+            ),
+            echo=self.echo,
+        )  # fmt: skip
+        self.heldout.append((version, out / "eval.json"))
+
+    def compare(self) -> None:
+        """The held-out verdict: the last version against v0, one-sided tests named, whatever they say."""
+        from forge.evaluation import compare, report
+
+        (v_before, before), (v_after, after) = self.heldout[0], self.heldout[-1]
+        comparison = compare.compare(report.read(before), report.read(after))
+        self.verdict = f"v{v_before} → v{v_after}: " + compare.verdict(comparison, "held-out")
+        self.files["heldout"] = self.settings.out / "heldout.txt"
+        self.files["heldout"].write_text(compare.render(comparison) + "\n")
+        self.echo(f"forge demo: {self.verdict}")
+
+    def _rounds(self, trainer, tasks: list[Task], policy_url: str) -> None:
+        from trainer.loop import NothingReady
+
+        s = self.settings
         metrics_file = s.out / "metrics.jsonl"
         for number in range(1, s.rounds + 1):
             version, run_id = trainer.state.version, f"{s.run}-r{number}"
@@ -311,8 +395,10 @@ class Demo:
                     out.write(json.dumps({"round": number, **metrics}, default=str) + "\n")
                 stats.update_s, stats.publish_s = metrics["update_s"], metrics["publish_s"]
                 stats.new_version = trainer.state.version
-                self.echo(f"forge demo:   update on {metrics['episodes']} episodes: {metrics['update_s']:.1f} s; v"
-                          f"{stats.new_version} published and verified in {metrics['publish_s']:.2f} s (probe "
+                left_out = ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in metrics["skipped_segments"].items())
+                self.echo(f"forge demo:   update on {metrics['episodes']} episodes ({metrics['segments']} segments; "
+                          f"left out: {left_out or 'none'}), {s.epochs} optimizer step(s): {metrics['update_s']:.1f} "
+                          f"s; v{stats.new_version} published and verified in {metrics['publish_s']:.2f} s (probe "
                           f"difference {metrics['probe_diff']:.1e})")  # fmt: skip
             self.rounds.append(stats)
             self.echo(summary_table(self.rounds[-1:]).splitlines()[-1])
@@ -325,11 +411,16 @@ class Demo:
         table = summary_table(self.rounds)
         plot = s.out / "rounds.png"
         update = f"LoRA r={s.lora_rank}" if s.lora_rank else "full weights"
-        plot_rounds(self.rounds, plot, f"forge demo {s.run}: {s.tasks} tasks × {s.rollouts} rollouts, {update}")
+        heldout = [(version, heldout_figures(path)) for version, path in self.heldout]
+        plot_rounds(self.rounds, plot, f"forge demo {s.run}: {s.tasks} tasks × {s.rollouts} rollouts, {update}",
+                    heldout)  # fmt: skip
         self.files["plot"] = plot
         summary = s.out / "summary.json"
         rounds = [dataclasses.asdict(r) for r in self.rounds]
-        summary.write_text(json.dumps({"run": s.run, "wall_s": wall_s, "rounds": rounds}, indent=1))
+        evaluation = {"file": str(s.heldout_file), "samples_per_task": s.heldout_samples, "verdict": self.verdict,
+                      "versions": {f"v{v}": figures for v, figures in heldout}}  # fmt: skip
+        summary.write_text(json.dumps({"run": s.run, "wall_s": wall_s, "seed": s.seed, "lr": s.lr, "epochs": s.epochs,
+                                       "rounds": rounds, "heldout": evaluation}, indent=1))  # fmt: skip
         self.files["summary"] = summary
         (s.out / "summary.txt").write_text(table + "\n")
         return table
@@ -345,6 +436,8 @@ class Demo:
         for stats in self.rounds:
             if stats.note:
                 self.echo(f"round {stats.round}: {stats.note}")
+        if self.verdict:
+            self.echo(f"\n{self.verdict}")
         import resource
 
         peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6

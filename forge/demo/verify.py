@@ -5,7 +5,7 @@ Reward = 0.4 × format + 0.6 × outcome, written as ``{"reward": R, "components"
 - format: the share of the model's turns that mini-swe-agent could run — exactly one ```bash block — read from
   the harness's own trajectory (``traj.json``: an assistant message per action it ran, a ``FormatError``
   message per answer it rejected). A habit a 135M policy can learn: the signal GRPO needs within a group.
-- outcome: the workspace, checked part by part (the file exists, then holds the right text): partial credit.
+- outcome: the workspace: the folder exists; or the file exists (half) and holds the word (the other half).
 Nothing here trusts what the model says it did; a missing or unreadable trajectory scores format 0.
 """
 
@@ -48,23 +48,21 @@ def _file_with(name: str, ok: Callable[[str], bool]) -> Callable[[Path], float]:
     return check
 
 
-def _make_folder(folder: Path) -> float:
-    results = folder / "results"
-    return 0.5 * results.is_dir() + 0.5 * (results / "done.txt").is_file()
+def _folder(name: str) -> Callable[[Path], float]:
+    return lambda folder: float((folder / name).is_dir())
 
 
-def _list_python(text: str) -> bool:
-    names = set(text.split())
-    return {"a.py", "b.py"} <= names and "notes.md" not in names
+def _file_with_word(name: str, word: str) -> Callable[[Path], float]:
+    """Half for the file, half for the word among its words (any case)."""
+    return _file_with(name, lambda text: word in text.lower().split())
 
 
+# The tasks of tasks.jsonl (trained) and heldout.jsonl (never trained): a folder, or a file holding a word.
+FOLDERS = ["build", "output", "tmp", "backup", "src", "cache", "archive", "reports"]
+FILES = {"hello": "hello", "greeting": "hi", "word": "yes", "status": "ok"}
 CHECKS: dict[str, Callable[[Path], float]] = {
-    "hello-file": _file_with("hello.txt", lambda t: "hello" in t.lower()),
-    "count-lines": _file_with("count.txt", lambda t: t.strip() == "7"),
-    "make-folder": _make_folder,
-    "copy-file": _file_with("backup.txt", lambda t: t == "the answer is 42\n"),
-    "upper-case": _file_with("upper.txt", lambda t: t.strip() == "OPEN FORGE"),
-    "list-python": _file_with("list.txt", _list_python),
+    **{f"folder-{name}": _folder(name) for name in FOLDERS},
+    **{f"file-{name}": _file_with_word(f"{name}.txt", word) for name, word in FILES.items()},
 }
 
 
