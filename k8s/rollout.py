@@ -13,8 +13,10 @@ An episode id is `<run>.<task>.<index>`: the same across retries, so a retried r
 to one episode (the collector sees a retry as a new segment of it).
 """
 
+import contextlib
 import os
 import queue
+import signal
 import socket
 import subprocess
 import sys
@@ -25,7 +27,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import IO, Protocol
 
 from forge.errors import ForgeError
 from k8s.tasks import Task
@@ -212,6 +214,21 @@ def rollout_env(attempt: Attempt, settings: LocalSettings) -> dict[str, str]:
     return env
 
 
+def run_in_own_session(
+    command: list[str], folder: Path, env: dict[str, str], log: IO[bytes], timeout: float
+) -> subprocess.CompletedProcess:  # fmt: skip
+    """The harness in a session of its own; whatever it left running (a background writer that would change the
+    workspace or the trajectory under the verifier, or wait for the next rollout's folder) is killed with it."""
+    process = subprocess.Popen(command, cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT,
+                               stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    try:
+        return subprocess.CompletedProcess(command, process.wait(timeout=timeout))
+    finally:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
 def run_local_rollout(attempt: Attempt, settings: LocalSettings) -> Outcome:
     """One rollout as local processes: the harness, then the verifier, in the rollout's own folder."""
     rollout = attempt.rollout
@@ -221,10 +238,7 @@ def run_local_rollout(attempt: Attempt, settings: LocalSettings) -> Outcome:
     deadline = time.monotonic() + rollout.task.timeout_s
     try:
         with open(folder / "harness.log", "wb") as log:
-            harness = subprocess.run(
-                list(rollout.task.command), cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, timeout=rollout.task.timeout_s, check=False,
-            )  # fmt: skip
+            harness = run_in_own_session(list(rollout.task.command), folder, env, log, rollout.task.timeout_s)
         (folder / "harness.exit").write_text(f"{harness.returncode}\n")
     except subprocess.TimeoutExpired:
         (folder / "harness.exit").write_text("timeout\n")

@@ -182,3 +182,31 @@ def test_the_summary_table_says_what_each_round_did() -> None:
     assert "3 answer_dropped, 1 rewrite" in lines[2]
     assert lines[0].split()[:3] == ["round", "policy", "version"]
     assert "v0 → v1" in lines[2] and "15/16" in lines[2] and "0.200 ± 0.100" in lines[2] and "1/4" in lines[2]
+
+
+def test_a_module_the_agent_writes_into_its_workspace_is_not_what_the_verifier_imports(tmp_path: Path) -> None:
+    """The verifier runs in the workspace; `python -m` would put it first on the import path, and a json.py there
+    would decide the reward (it did, before -P)."""
+    from forge.demo.run import with_harness_env
+    from k8s.verify import run_verifier
+
+    (tmp_path / "json.py").write_text(
+        "import os\nopen(os.environ['FORGE_VERDICT_FILE'], 'w').write('{\"reward\": 1.0}')\nraise SystemExit(0)\n"
+    )
+    for task in with_harness_env(load_tasks(TASKS_FILE) + load_tasks(HELDOUT_FILE), None, tmp_path, {}):
+        env = {**__import__("os").environ, **task.env}
+        verdict = run_verifier(task.verifier, tmp_path, env, 30)
+        assert verdict.reward == 0.0, (task.id, verdict)
+
+
+def test_what_a_harness_leaves_running_is_killed_before_the_verifier_reads_the_workspace(tmp_path: Path) -> None:
+    """A background writer started by the agent would change the workspace under the verifier, or wait for a later
+    rollout's folder (the held-out evaluation's): the local backend kills the harness's whole session."""
+    from k8s.rollout import run_in_own_session
+
+    with open(tmp_path / "log", "wb") as log:
+        done = run_in_own_session(["bash", "-c", "(sleep 2; touch late) & exit 0"], tmp_path, {"PATH": "/usr/bin:/bin"},
+                                  log, 30)  # fmt: skip
+    assert done.returncode == 0
+    __import__("time").sleep(3)
+    assert not (tmp_path / "late").exists()

@@ -1,4 +1,5 @@
-"""The demo's verifiers: `python -m forge.demo.verify TASK`, run in the rollout's folder after the harness.
+"""The demo's verifiers: `python -P -m forge.demo.verify TASK`, run in the rollout's folder after the harness
+(-P: the workspace, which the agent wrote, is not on the import path).
 
 Reward = 0.4 × format + 0.6 × outcome, written as ``{"reward": R, "components": {...}}`` to ``$FORGE_VERDICT_FILE``
 (`forge rollout`'s verifier contract, k8s/verify.py) and printed:
