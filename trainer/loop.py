@@ -181,8 +181,8 @@ class Trainer:
             raise ForgeError(f"--correction must be one of {', '.join(CORRECTIONS)}")
         if settings.steps < 1 or settings.episodes_per_step < 1 or settings.staleness < 0:
             raise ForgeError("--steps and --episodes-per-step must be ≥ 1, --staleness ≥ 0")
-        if settings.workers < 1:
-            raise ForgeError("--workers must be ≥ 1")
+        if settings.workers < 1 or settings.epochs < 1:
+            raise ForgeError("--workers and --epochs must be ≥ 1")
         per_node = settings.workers_per_node
         if per_node < 0 or (per_node and settings.workers % per_node):
             raise ForgeError("--workers-per-node must divide --workers")
@@ -286,8 +286,10 @@ class Trainer:
             try:
                 metrics = self.step()
             except NothingToLearn as error:  # consumed; wait for the next episodes
-                print(json.dumps({"step": self.state.step, "version": self.state.version, "skipped": str(error)}),
-                      flush=True)  # fmt: skip
+                metrics = {"step": self.state.step, "version": self.state.version, "nothing_to_learn": str(error)}
+                with (self.state_dir / "metrics.jsonl").open("a") as out:
+                    out.write(json.dumps(metrics) + "\n")
+                print(json.dumps(metrics), flush=True)
                 continue
             line = json.dumps(metrics, default=_json_default)
             with (self.state_dir / "metrics.jsonl").open("a") as out:
@@ -301,7 +303,8 @@ class Trainer:
         segments, episode_ids, aged, ages = self.wait_for_episodes(every_ready)
         batch = rows_from_segments(segments)
         advantage = episode_advantages(batch.episodes, s.algo) if batch.episodes else {}
-        batch.leave_out_flat_groups(advantage)
+        # With a KL term a flat group still has a gradient (towards the reference): then it stays.
+        flat_groups = batch.leave_out_flat_groups() if s.kl_coef == 0 else 0
         if not batch.rows:  # consumed all the same: they never become trainable, nor are they waited for again
             self.skip(episode_ids + aged)
             raise NothingToLearn(
@@ -321,11 +324,11 @@ class Trainer:
         published = self.publish(version + 1)
         self.commit(episode_ids, aged, version + 1)
         rewards = torch.tensor([reward for _, reward in batch.episodes.values()])
-        advantages = torch.tensor([advantage[e] for e in batch.episode_ids])
+        advantages = torch.tensor([advantage[e] for e in batch.episode_ids])  # the episodes trained
         metrics.update({
             "step": self.state.step, "version": self.state.version, "episodes": len(episode_ids),
             "segments": len(batch), "groups_aged_out_episodes": len(aged), "skipped_segments": batch.skipped,
-            "zero_variance_groups": len(batch.flat_groups),
+            "zero_variance_groups_left_out": flat_groups,
             "reward_mean": rewards.mean().item(), "reward_std": rewards.std().item() if len(rewards) > 1 else 0.0,
             "advantage_mean": advantages.mean().item(), "advantage_abs_mean": advantages.abs().mean().item(),
             "kl_behaviour": _first(update, "actor/ppo_kl"), "clip_frac": _first(update, "actor/pg_clipfrac"),

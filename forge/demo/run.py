@@ -16,6 +16,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -145,7 +146,7 @@ def round_stats(
         trainable_tokens=sum(e["n_trainable"] for e in complete),
         fork_rate=sum(e["n_forked"] for e in mine) / follow_ups if follow_ups else 0.0,
         reward_mean=mean, reward_sd=sd, groups=len(groups),
-        zero_variance_groups=sum(1 for g in groups.values() if len(g) < 2 or max(g) == min(g)),
+        zero_variance_groups=sum(1 for g in groups.values() if len(g) > 1 and max(g) == min(g)),
         rollout_s=rollout_s, calls_by_version=calls_by_version,
     )  # fmt: skip
 
@@ -304,13 +305,15 @@ class Demo:
             if s.heldout_samples:
                 self.evaluate(trainer, policy_url, mini)
             self._rounds(trainer, tasks, policy_url)
-            if s.heldout_samples:
+            if s.heldout_samples and trainer.state.version == self.heldout[0][0]:
+                self.verdict = f"no update was published: the policy is still v{trainer.state.version} (no verdict)"
+            elif s.heldout_samples:
                 self.evaluate(trainer, policy_url, mini)
                 self.compare()
         finally:
             if server is not None:
                 server.stop()
-        self.finish(time.monotonic() - self.started)
+            self.finish(time.monotonic() - self.started)  # what was done, also when a later part failed
         return self.rounds
 
     def _trainer(self, policy_url: str):  # -> trainer.loop.Trainer (imported late: torch, veRL)
@@ -338,7 +341,8 @@ class Demo:
         version = trainer.state.version
         self.echo(f"forge demo: held-out evaluation of v{version}: {s.heldout_samples} samples of each task in "
                   f"{s.heldout_file.name}")  # fmt: skip
-        out = s.out / f"heldout-v{version}"
+        # A folder name nothing could guess before it exists (the rollouts' own processes are killed as each ends).
+        out = Path(tempfile.mkdtemp(prefix=f"heldout-v{version}-", dir=s.out))
         evaluate(
             EvalSettings(
                 tasks_file=s.heldout_file, samples=s.heldout_samples, out=out, ks=[1, min(3, s.heldout_samples)],
@@ -427,6 +431,8 @@ class Demo:
 
     def finish(self, wall_s: float) -> None:
         s = self.settings
+        if not self.rounds:  # stopped before a round ended: nothing to sum up
+            return
         table = self.save(wall_s)
         page = self.episode_page()
         if page:
