@@ -12,7 +12,7 @@ import resource
 import time
 
 from collector.collect import Collector, trainable
-from trainer.batch import rows_from_segments
+from trainer.batch import episode_advantages, rows_from_segments
 from trainer.engine import EngineSettings, PolicyEngine
 from trainer.loop import update_inputs
 from trainer.serve import default_checkpoint
@@ -37,7 +37,7 @@ def main() -> None:
         gradient_checkpointing=args.recompute,
     ))  # fmt: skip
     before = peak_gb()
-    tensors, _, _ = update_inputs(batch, "grpo", "bypass", None, 2.0, engine.log_probs)
+    tensors, _ = update_inputs(batch, episode_advantages(batch.episodes, "grpo"), "bypass", None, 2.0, engine.log_probs)
     started = time.perf_counter()
     engine.update(tensors)
     seconds = time.perf_counter() - started

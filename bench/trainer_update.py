@@ -18,7 +18,7 @@ import pyarrow as pa
 import torch
 
 from collector.episode import SEGMENT_SCHEMA
-from trainer.batch import rows_from_segments
+from trainer.batch import episode_advantages, rows_from_segments
 from trainer.engine import EngineSettings, PolicyEngine, to_engine_input
 from trainer.loop import update_inputs
 from trainer.serve import default_checkpoint
@@ -54,11 +54,16 @@ def main() -> None:
 
     def forge_update() -> int:
         batch = rows_from_segments(table)
-        tensors, _, _ = update_inputs(batch, "grpo", "bypass", None, 2.0, engine.log_probs)
+        tensors, _ = update_inputs(
+            batch, episode_advantages(batch.episodes, "grpo"), "bypass", None, 2.0, engine.log_probs
+        )
         engine.update(tensors)
         return batch.n_trainable
 
-    prepared, _, _ = update_inputs(rows_from_segments(table), "grpo", "bypass", None, 2.0, engine.log_probs)
+    whole = rows_from_segments(table)
+    prepared, _ = update_inputs(
+        whole, episode_advantages(whole.episodes, "grpo"), "bypass", None, 2.0, engine.log_probs
+    )
     n = args.rows
 
     def plain_update() -> int:
