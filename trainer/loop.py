@@ -181,8 +181,10 @@ class Trainer:
             raise ForgeError(f"--correction must be one of {', '.join(CORRECTIONS)}")
         if settings.steps < 1 or settings.episodes_per_step < 1 or settings.staleness < 0:
             raise ForgeError("--steps and --episodes-per-step must be ≥ 1, --staleness ≥ 0")
-        if settings.workers < 1 or settings.epochs < 1:
-            raise ForgeError("--workers and --epochs must be ≥ 1")
+        if settings.workers < 1:
+            raise ForgeError("--workers must be ≥ 1")
+        if settings.epochs < 1:
+            raise ForgeError("--epochs must be ≥ 1")
         per_node = settings.workers_per_node
         if per_node < 0 or (per_node and settings.workers % per_node):
             raise ForgeError("--workers-per-node must divide --workers")
