@@ -106,6 +106,11 @@ class Batch:
         return sum(len(r.prompt) + len(r.response) for r in self.rows)
 
 
+def counted(counts: dict[str, int], unit: str = "") -> str:
+    """Counts by reason as words: {"zero_variance_group": 2} → "2 zero variance group" ("2 segments …" with a unit)."""
+    return ", ".join(f"{n} {unit + ' ' if unit else ''}{reason.replace('_', ' ')}" for reason, n in counts.items())
+
+
 def parse_version(version: str | None) -> int | None:
     """Policy versions are recorded as strings ("3", "v3"); the trainer publishes integers."""
     if version is None:
@@ -153,14 +158,12 @@ def rows_from_segments(segments: pa.Table) -> Batch:
 
 
 def episode_advantages(
-    episodes: "dict[str, tuple[str, float]] | list[Row]", estimator: str, norm_by_std: bool = True
+    episodes: dict[str, tuple[str, float]], estimator: str, norm_by_std: bool = True
 ) -> dict[str, float]:
     """One advantage per episode from veRL's registered estimator (GRPO, RLOO, ...), grouped by ``group_id``:
-    ``episodes`` maps each episode to (group_id, reward) (``Batch.episodes``: also those left out), or rows."""
+    ``episodes`` maps each episode to (group_id, reward) (``Batch.episodes``: also those left out)."""
     from verl.trainer.ppo.core_algos import get_adv_estimator_fn
 
-    if isinstance(episodes, list):
-        episodes = {r.episode_id: (r.group_id, r.reward) for r in episodes}
     ids = sorted(episodes)
     scores = torch.tensor([[episodes[e][1]] for e in ids], dtype=torch.float32)
     index = np.array([episodes[e][0] for e in ids], dtype=object)

@@ -28,7 +28,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -43,7 +43,7 @@ from collector.episode import is_evaluation
 from forge.errors import ForgeError
 from forge.paths import cache_dir
 from sidecar.store import open_store
-from trainer.batch import Batch, episode_advantages, padded, parse_version, rows_from_segments
+from trainer.batch import Batch, counted, episode_advantages, padded, parse_version, rows_from_segments
 from trainer.publish import (
     PROBE_IDS,
     PROBE_STEPS,
@@ -289,10 +289,6 @@ class Trainer:
                 metrics = self.step()
             except NothingToLearn as error:  # consumed; wait for the next episodes
                 metrics = {"step": self.state.step, "version": self.state.version, "nothing_to_learn": str(error)}
-                with (self.state_dir / "metrics.jsonl").open("a") as out:
-                    out.write(json.dumps(metrics) + "\n")
-                print(json.dumps(metrics), flush=True)
-                continue
             line = json.dumps(metrics, default=_json_default)
             with (self.state_dir / "metrics.jsonl").open("a") as out:
                 out.write(line + "\n")
@@ -311,7 +307,7 @@ class Trainer:
             self.skip(episode_ids + aged)
             raise NothingToLearn(
                 f"the {len(episode_ids)} episodes of v{version} hold nothing to learn from: "
-                + ", ".join(f"{n} segments {k.replace('_', ' ')}" for k, n in batch.skipped.items())
+                + counted(batch.skipped, "segments")
             )
         tensors, metrics = update_inputs(
             batch, advantage, s.correction, s.rollout_is, s.rollout_is_threshold, lambda t: self.engine.log_probs(t)
@@ -365,12 +361,12 @@ class Trainer:
                 bar.n = min(len(chosen), s.episodes_per_step)
                 bar.refresh()
                 if every_ready and not chosen:
-                    why = ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in waiting.items()) or "no episodes"
+                    why = counted(waiting) or "no episodes"
                     raise NothingReady(f"no whole group of v{version} is ready in {s.store} ({why})")
                 if every_ready or len(chosen) >= s.episodes_per_step:
                     break
                 if time.monotonic() >= deadline:
-                    why = ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in waiting.items()) or "no episodes"
+                    why = counted(waiting) or "no episodes"
                     raise ForgeError(f"only {len(chosen)} of {s.episodes_per_step} complete episodes for v{version} "
                                      f"after {s.wait_timeout:.0f} s in {s.store} ({why})")  # fmt: skip
                 time.sleep(s.poll_seconds)
@@ -468,9 +464,7 @@ class Trainer:
 
     def skip(self, episode_ids: list[str]) -> None:
         """Consume episodes without an update: the step, the version and the engine's checkpoint stay."""
-        self.state = TrainState(step=self.state.step, version=self.state.version, trained=self.state.trained,
-                                skipped=self.state.skipped + episode_ids,
-                                engine_checkpoint=self.state.engine_checkpoint)  # fmt: skip
+        self.state = replace(self.state, skipped=self.state.skipped + episode_ids)
         self._write_state()
 
     def commit(self, episode_ids: list[str], aged: list[str], version: int) -> None:

@@ -15,6 +15,7 @@ import dataclasses
 import json
 import math
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -208,9 +209,8 @@ def heldout_figures(path: Path) -> dict[str, float]:
 
     rewards = [r for task in report.read(path).tasks for r in task.rewards]
     n = len(rewards)
-    mean = sum(rewards) / n if n else math.nan
-    sd = math.sqrt(sum((r - mean) ** 2 for r in rewards) / (n - 1)) if n > 1 else 0.0
-    half = ci95(mean, sd, n)
+    mean = statistics.fmean(rewards) if n else math.nan
+    half = ci95(mean, statistics.stdev(rewards) if n > 1 else 0.0, n)
     return {"n": n, "mean_reward": mean, "ci95_low": mean - half, "ci95_high": mean + half}
 
 
@@ -366,6 +366,7 @@ class Demo:
         self.echo(f"forge demo: {self.verdict}")
 
     def _rounds(self, trainer, tasks: list[Task], policy_url: str) -> None:
+        from trainer.batch import counted
         from trainer.loop import NothingReady
 
         s = self.settings
@@ -399,7 +400,7 @@ class Demo:
                     out.write(json.dumps({"round": number, **metrics}, default=str) + "\n")
                 stats.update_s, stats.publish_s = metrics["update_s"], metrics["publish_s"]
                 stats.new_version = trainer.state.version
-                left_out = ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in metrics["skipped_segments"].items())
+                left_out = counted(metrics["skipped_segments"])
                 self.echo(f"forge demo:   update on {metrics['episodes']} episodes ({metrics['segments']} segments; "
                           f"left out: {left_out or 'none'}), {s.epochs} optimizer step(s): {metrics['update_s']:.1f} "
                           f"s; v{stats.new_version} published and verified in {metrics['publish_s']:.2f} s (probe "

@@ -53,7 +53,7 @@ def test_a_segment_becomes_one_row_token_exact(tmp_path):
 
 def test_advantages_come_from_verl_by_name_per_episode_and_group(tmp_path):
     store = store_of(tmp_path, [("a", "t", "0", 1.0), ("b", "t", "0", 0.0), ("c", "u", "0", 5.0)])
-    rows = rows_from_segments(trainable(collected(store).segments)).rows
+    rows = rows_from_segments(trainable(collected(store).segments)).episodes
     grpo = episode_advantages(rows, "grpo")
     assert grpo["a"] == pytest.approx(-grpo["b"]) and grpo["a"] > 0
     assert grpo["c"] == pytest.approx(5.0)  # veRL's GRPO: a group of one keeps its raw score (mean 0, std 1)
