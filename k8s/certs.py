@@ -6,12 +6,11 @@
   cert-manager can use its CA injector instead (README, "Kubernetes").
 - `sidecar-ca/`: the CA the sidecars sign model hosts with (`tls.crt`, `tls.key`) and what the apps trust
   (`ca-bundle.pem`, `mitmproxy-ca-cert.pem`), made by `forge ca init` (sidecar/ca.py).
-- `reward-token`: the verifier's credential for the sidecar's `POST /reward`.
+No reward credential: a pod's verifier posts rewards on the sidecar's reward socket (k8s/inject.py).
 Existing files are kept (running pods already trust the CAs) unless `force`.
 """
 
 import datetime
-import secrets
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,10 +76,6 @@ class ClusterSecrets:
     def sidecar_ca(self) -> Path:
         return self.dir / "sidecar-ca"
 
-    @property
-    def reward_token(self) -> Path:
-        return self.dir / "reward-token"
-
 
 def _write(path: Path, data: bytes, mode: int) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -107,8 +102,6 @@ def write_cluster_secrets(
                 _write(files.sidecar_ca / "tls.crt", cert, 0o644)
                 _write(files.sidecar_ca / ca.CERT_FILE, cert, 0o644)
                 _write(files.sidecar_ca / ca.BUNDLE_FILE, made.bundle.read_bytes(), 0o644)
-        if force or not files.reward_token.exists():
-            _write(files.reward_token, secrets.token_urlsafe(32).encode(), 0o600)
     except OSError as error:
         raise ForgeError(f"cannot write the cluster secrets in {out}: {error}") from error
     return files

@@ -87,14 +87,14 @@ def render_command(filename: str, output: str, namespace_label: str | None, sett
 @click.option("--namespace", default=certs_lib.NAMESPACE, show_default=True, help="The webhook's namespace.")
 @click.option("--force", is_flag=True, help="Replace existing certificates (pods trusting the old CA then fail).")
 def certs_command(out: Path, service: str, namespace: str, force: bool) -> None:
-    """Write the webhook's serving certificate, the sidecar CA and the reward token for `kubectl apply -k k8s/`.
+    """Write the webhook's serving certificate and the sidecar CA for `kubectl apply -k k8s/`.
 
     Prints the caBundle (base64 of the webhook CA) for a MutatingWebhookConfiguration kept by other means.
     """
     import base64
 
     files = certs_lib.write_cluster_secrets(out, service, namespace, force)
-    click.echo(f"forge inject: wrote {files.webhook}, {files.sidecar_ca} and {files.reward_token}", err=True)
+    click.echo(f"forge inject: wrote {files.webhook} and {files.sidecar_ca}", err=True)
     click.echo(base64.b64encode((files.webhook / "ca.crt").read_bytes()).decode())
 
 

@@ -18,8 +18,10 @@ What an injected pod gets, in start order (as Istio's native-sidecar mode does i
    readiness probe on the admin port. Store credentials reach this container only.
 4. then the pod's own init containers and containers, each with the CA bundle mounted and the trust variables
    (`SSL_CERT_FILE`, ...) and identity variables added where the container does not set them itself.
-The reward credential is mounted into the sidecar and the verifier container only: the harness (the agent under
-training, an adversary) must not be able to post rewards.
+Rewards travel on a Unix socket in a volume (`openforge-reward-socket`) that only the sidecar and the verifier
+container mount; the sidecar takes them from root only (the verifier container's `forge verify`, which runs the
+task's verifier as uid 65534). No reward credential exists in the pod: the harness (the agent under training, an
+adversary) has nothing to find, and no app container may mount a volume the injection adds.
 """
 
 import base64
@@ -47,14 +49,14 @@ BUNDLE_VOLUME = "openforge-ca-bundle"
 WAL_VOLUME = "openforge-wal"
 XTABLES_LOCK_VOLUME = "openforge-xtables-lock"  # iptables -w locks /run/xtables.lock: /run must be writable
 TMP_VOLUME = "openforge-tmp"
-REWARD_VOLUME = "openforge-reward-token"
+REWARD_VOLUME = "openforge-reward-socket"  # emptyDir: the sidecar's reward socket, sidecar and verifier only
 OUR_VOLUMES = (CA_VOLUME, CA_SECRET_VOLUME, BUNDLE_VOLUME, WAL_VOLUME, REWARD_VOLUME, XTABLES_LOCK_VOLUME, TMP_VOLUME)
 CA_DIR = "/var/run/openforge/ca"
 CA_SECRET_DIR = "/var/run/openforge/ca-secret"
 BUNDLE_DIR = "/etc/openforge/ca-bundle"
 WAL_DIR = "/var/run/openforge/wal"
 REWARD_DIR = "/var/run/openforge/reward"
-REWARD_TOKEN_FILE = f"{REWARD_DIR}/token"
+REWARD_SOCKET = f"{REWARD_DIR}/sidecar.sock"
 
 
 # Capabilities no app container may add (named as Kubernetes does, in any case, with or without CAP_), and why.
@@ -173,6 +175,13 @@ def _check_injectable(spec: dict[str, Any], settings: InjectorSettings, verifier
                 f"volume {volume.get('name')} is a hostPath: the node's files (other pods' credentials, the "
                 "container runtime) are beyond what the injection protects"
             )
+    for container in _containers(spec):
+        ours = {m.get("name") for m in container.get("volumeMounts") or []} & set(OUR_VOLUMES)
+        if ours:
+            raise InjectionRefused(
+                f"container {container.get('name')} mounts volume {sorted(ours)[0]}, which the injection adds: "
+                "only OpenForge's containers (and the verifier, the reward socket) may"
+            )
     if spec.get("shareProcessNamespace"):
         raise InjectionRefused("shareProcessNamespace lets every container read the reward credential via /proc")
     # A volume of the pod's own that holds the reward Secret may only be mounted by the verifier.
@@ -283,7 +292,7 @@ def sidecar_container(settings: InjectorSettings) -> dict[str, Any]:
         "sidecar", "--mode", "transparent", "--listen-port", str(settings.proxy_port),
         "--admin-port", str(settings.admin_port), "--upstream", settings.upstream, "--store", settings.store,
         "--wal-dir", WAL_DIR, "--ca-dir", CA_DIR, "--model-hosts", settings.model_hosts,
-        "--reward-token-file", REWARD_TOKEN_FILE,
+        "--reward-socket", REWARD_SOCKET,
     ]  # fmt: skip
     if settings.s3_endpoint:
         args += ["--s3-endpoint", settings.s3_endpoint]
@@ -309,15 +318,15 @@ def sidecar_container(settings: InjectorSettings) -> dict[str, Any]:
         "volumeMounts": [
             {"name": CA_VOLUME, "mountPath": CA_DIR},
             {"name": WAL_VOLUME, "mountPath": WAL_DIR},
-            {"name": REWARD_VOLUME, "mountPath": REWARD_DIR, "readOnly": True},
+            {"name": REWARD_VOLUME, "mountPath": REWARD_DIR},
             {"name": TMP_VOLUME, "mountPath": "/tmp"},
         ],
     }
 
 
 def volumes(settings: InjectorSettings) -> list[dict[str, Any]]:
-    # Secret files are root-owned: mode 0444 lets the non-root sidecar and verifier read them; no other
-    # container mounts these volumes, so no other container can.
+    # Secret files are root-owned: mode 0444 lets the non-root sidecar read them; no other container mounts
+    # these volumes (an app container that names one is refused), so no other container can.
     return [
         {"name": CA_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": "16Mi"}},
         {"name": CA_SECRET_VOLUME, "secret": {"secretName": settings.ca_secret, "defaultMode": 0o444}},
@@ -325,14 +334,7 @@ def volumes(settings: InjectorSettings) -> list[dict[str, Any]]:
         {"name": WAL_VOLUME, "emptyDir": {}},
         {"name": XTABLES_LOCK_VOLUME, "emptyDir": {}},
         {"name": TMP_VOLUME, "emptyDir": {}},
-        {
-            "name": REWARD_VOLUME,
-            "secret": {
-                "secretName": settings.reward_token_secret,
-                "items": [{"key": "token", "path": "token"}],
-                "defaultMode": 0o444,
-            },
-        },
+        {"name": REWARD_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}},
     ]
 
 
@@ -359,13 +361,14 @@ def _app_container_operations(
     added.append(_env_value("FORGE_ADMIN_URL", f"http://127.0.0.1:{settings.admin_port}"))
     mounts = [{"name": BUNDLE_VOLUME, "mountPath": BUNDLE_DIR, "readOnly": True}]
     if is_verifier:
-        added.append(_env_value("FORGE_REWARD_TOKEN_FILE", REWARD_TOKEN_FILE))
-        mounts.append({"name": REWARD_VOLUME, "mountPath": REWARD_DIR, "readOnly": True})
+        added.append(_env_value("FORGE_REWARD_SOCKET", REWARD_SOCKET))
+        added.append(_env_value("FORGE_SIDECAR_UID", str(settings.proxy_uid)))  # who must be listening on it
+        mounts.append({"name": REWARD_VOLUME, "mountPath": REWARD_DIR})
     return (
         _add_all((*path, "env"), container.get("env"), [e for e in added if e["name"] not in own])
         + _add_all((*path, "volumeMounts"), container.get("volumeMounts"), mounts)
-        # The verifier keeps SETUID/SETGID: `forge verify` reads the reward token, then runs the task's verifier as
-        # another uid (65534) that cannot read it. No agent-written code runs in it with those capabilities.
+        # The verifier keeps SETUID/SETGID: `forge verify` (root: the sidecar takes rewards from root only) runs
+        # the task's verifier as another uid (65534). No agent-written code runs in it with those capabilities.
         + ([] if is_verifier else _drop_operations(path, container))
     )
 

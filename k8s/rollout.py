@@ -14,8 +14,10 @@ to one episode (the collector sees a retry as a new segment of it).
 """
 
 import contextlib
+import errno
 import os
 import queue
+import shutil
 import signal
 import socket
 import subprocess
@@ -217,13 +219,23 @@ def rollout_env(attempt: Attempt, settings: LocalSettings) -> dict[str, str]:
 def run_in_own_session(
     command: list[str], folder: Path, env: dict[str, str], log: IO[bytes], timeout: float
 ) -> subprocess.CompletedProcess:  # fmt: skip
-    """The harness in a session of its own; whatever it left running (a background writer that would change the
-    workspace or the trajectory under the verifier, or wait for the next rollout's folder) is killed with it."""
-    process = subprocess.Popen(command, cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT,
+    """The harness under a subreaper (k8s/reaper.py), in a session of its own; whatever it left running (a background
+    writer that would change the workspace or the trajectory under the verifier, or wait for the next rollout's
+    folder), in its session or one it made (setsid, a double fork), is killed before this returns."""
+    program = folder / command[0] if "/" in command[0] else shutil.which(command[0], path=env.get("PATH", ""))
+    if program is None or not os.access(program, os.X_OK) or not os.path.isfile(program):
+        raise FileNotFoundError(errno.ENOENT, "No such executable file", command[0])  # as Popen would say
+    # -I: the script alone (stdlib only), whatever PYTHON* variables or files the harness's folder holds.
+    reaper = [sys.executable, "-I", str(Path(__file__).with_name("reaper.py")), "--", *command]
+    process = subprocess.Popen(reaper, cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT,
                                stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
     try:
         return subprocess.CompletedProcess(command, process.wait(timeout=timeout))
     finally:
+        if process.poll() is None:  # timed out (or interrupted): the reaper kills and reaps the harness's processes
+            process.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=15)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(process.pid, signal.SIGKILL)
         process.wait()

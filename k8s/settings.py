@@ -60,7 +60,9 @@ class InjectorSettings:
     store_secret: str = "openforge-store"  # AWS_* variables, for the sidecar only (optional Secret)
     ca_secret: str = "openforge-ca"  # the sidecar CA: tls.crt + tls.key (mounted into the CA init only)
     ca_bundle_configmap: str = "openforge-ca-bundle"  # ca-bundle.pem + mitmproxy-ca-cert.pem, for the apps
-    reward_token_secret: str = "openforge-reward-token"  # key `token`: the sidecar and the verifier only
+    # No longer made (rewards go on the sidecar's socket); a Secret of this name left by an earlier install must
+    # still reach no app container: the injector refuses a pod that takes it.
+    reward_token_secret: str = "openforge-reward-token"
     verifier_container: str = "verifier"  # default name of the verifier container (annotation overrides)
     sidecar_resources: Resources = field(default_factory=Resources)
     init_resources: Resources = field(default_factory=lambda: Resources("10m", "32Mi", "200m", "128Mi"))

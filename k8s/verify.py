@@ -1,15 +1,20 @@
 """A task's verifier: run it, turn its result into a reward, and record the reward.
 
 One function turns a verifier's exit status and output into a `Verdict`, for both backends. Where the reward
-goes differs: a pod's verifier posts it to its sidecar's admin endpoint with the reward credential
-(`forge verify`, in the verifier container, the only one besides the sidecar that can read the token); the local
-backend's orchestrator writes it into the store itself (it is the trusted party there).
+goes differs: in a pod, `forge verify` (root, in the verifier container) runs the task's verifier as uid 65534 and
+posts the reward on the sidecar's reward socket (a volume only the sidecar and the verifier container mount; the
+sidecar takes it from root only, and `forge verify` checks that the socket's listener is the sidecar's uid, not
+something the verifier left in its place): no credential exists in the pod. Elsewhere it posts to the sidecar's
+loopback admin endpoint with the reward token. The local backend's orchestrator writes the reward into the store
+itself (it is the trusted party there).
 """
 
 import contextlib
+import http.client
 import json
 import math
 import os
+import socket
 import subprocess
 import tempfile
 import urllib.error
@@ -107,6 +112,49 @@ def post_reward(admin_url: str, token: str | None, episode_id: str, verdict: Ver
         raise ForgeError(f"cannot reach the sidecar's admin endpoint {admin_url}: {error}") from error
 
 
+class _UnixConnection(http.client.HTTPConnection):
+    """HTTP over a Unix socket whose listener must run as ``server_uid`` (SO_PEERCRED, checked before a byte is
+    sent)."""
+
+    def __init__(self, path: str, server_uid: int | None, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self.socket_path, self.server_uid = path, server_uid
+
+    def connect(self) -> None:
+        from sidecar.admin import peer_uid
+
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(self.socket_path)
+            uid = peer_uid(sock)
+        except OSError:
+            sock.close()
+            raise
+        if uid == VERIFIER_UID or (self.server_uid is not None and uid != self.server_uid):
+            sock.close()
+            raise ForgeError(f"the reward socket {self.socket_path} is served by uid {uid}, not the sidecar's "
+                             f"({self.server_uid}): something replaced it; no reward posted")  # fmt: skip
+        self.sock = sock
+
+
+def post_reward_socket(path: str, server_uid: int | None, episode_id: str, verdict: Verdict) -> None:
+    """POST the reward on the sidecar's reward socket (no token: the sidecar checks this process's uid)."""
+    body = json.dumps({"episode_id": episode_id, "reward": verdict.reward, "components": verdict.components,
+                       "source": "verifier"})  # fmt: skip
+    connection = _UnixConnection(path, server_uid, timeout=10)
+    try:
+        connection.request("POST", "/reward", body, {"content-type": "application/json"})
+        answer = connection.getresponse()
+        detail = answer.read()[:300].decode(errors="replace")
+    except OSError as error:
+        raise ForgeError(f"cannot reach the sidecar's reward socket {path}: {error}") from error
+    finally:
+        connection.close()
+    if answer.status != 200:
+        raise ForgeError(f"the sidecar refused the reward: HTTP {answer.status} {detail}")
+
+
 def write_reward(store_uri: str, s3_endpoint: str | None, run_id: str, episode_id: str, verdict: Verdict) -> str:
     """The reward as one Parquet file in the store (the same row `forge reward` writes)."""
     from sidecar.record import to_table
@@ -125,18 +173,25 @@ def write_reward(store_uri: str, s3_endpoint: str | None, run_id: str, episode_i
 def verify_in_pod(
     command: tuple[str, ...], cwd: Path, timeout_s: float, termination_log: Path = TERMINATION_LOG
 ) -> Verdict:
-    """`forge verify` in a rollout pod: read the reward token, run the verifier (as ``VERIFIER_UID`` when run as root,
-    without the token's path), post its reward to the sidecar, leave the verdict in the termination log for the
-    orchestrator."""
+    """`forge verify` in a rollout pod: run the verifier (as ``VERIFIER_UID`` when run as root), post its reward to
+    the sidecar (on its reward socket; else with the reward token, read before the verifier runs), leave the verdict
+    in the termination log for the orchestrator."""
     env = dict(os.environ)
     episode = env.get("FORGE_EPISODE_ID") or env.get("POD_UID")
     if not episode:
         raise ForgeError("no episode id: FORGE_EPISODE_ID and POD_UID are both unset (is the pod injected?)")
     token_file = env.pop("FORGE_REWARD_TOKEN_FILE", None)
     token = read_token(Path(token_file)) if token_file else None  # read before the verifier runs, never after
+    socket_path = env.pop("FORGE_REWARD_SOCKET", None)
+    sidecar_uid = env.pop("FORGE_SIDECAR_UID", None)
+    if sidecar_uid is not None and not sidecar_uid.isdigit():
+        raise ForgeError(f"FORGE_SIDECAR_UID={sidecar_uid!r} is not a uid")
     uid = VERIFIER_UID if os.geteuid() == 0 else None
     verdict = run_verifier(command, cwd, env, timeout_s, uid)
-    post_reward(env.get("FORGE_ADMIN_URL") or "http://127.0.0.1:15002", token, episode, verdict)
+    if socket_path:
+        post_reward_socket(socket_path, int(sidecar_uid) if sidecar_uid else None, episode, verdict)
+    else:
+        post_reward(env.get("FORGE_ADMIN_URL") or "http://127.0.0.1:15002", token, episode, verdict)
     with contextlib.suppress(OSError):  # not in a pod: the verdict is printed anyway
         termination_log.write_text(json.dumps(verdict.as_json()))
     return verdict

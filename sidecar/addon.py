@@ -171,6 +171,8 @@ class Forge:
         add("forge_model_hosts", str, DEFAULT_MODEL_HOSTS, "Comma-separated hosts whose model paths are taken.")
         add("forge_max_completion_tokens", int, 0, "Bound every completion to this many tokens (0: as asked).")
         add("forge_admin_port", int, 0, "Loopback port of the admin endpoint (POST /reward, GET /metrics); 0: off.")
+        add("forge_reward_socket", str, "", "Unix socket for POST /reward from root or the sidecar's uid only (a "
+            "pod's verifier); loopback TCP then takes no reward unless a token file is given too.")  # fmt: skip
         add("forge_reward_token_file", str, "", "File holding the bearer token POST /reward needs (default: a new "
             "random one, mode 0600, in the WAL folder).")  # fmt: skip
         add("forge_trust_episode_header", bool, False, "In a pod (POD_UID or FORGE_EPISODE_ID set), let a client's "
@@ -212,21 +214,32 @@ class Forge:
         self.policy_version = o.forge_policy_version or None
         threading.Thread(target=self._watch_policy, name="forge-policy", daemon=True).start()
         self.pod_episode = os.environ.get("FORGE_EPISODE_ID") or os.environ.get("POD_UID") or None
-        if o.forge_admin_port:
+        if o.forge_admin_port or o.forge_reward_socket:
+            # With a reward socket and no token file, loopback TCP takes no reward: no credential exists to find.
+            token = None
             try:
-                token = self._reward_token(Path(o.forge_wal_dir))
+                if o.forge_admin_port and (o.forge_reward_token_file or not o.forge_reward_socket):
+                    token = self._reward_token(Path(o.forge_wal_dir))
             except (TokenFileError, OSError) as error:
                 log.error("%s: the sidecar stops (POST /reward would take no reward)", error)
                 ctx.master.shutdown()
                 return
-            self.secrets.append(token)  # scrubbed should a harness ever send it (it cannot read it in a pod)
+            if token is not None:
+                self.secrets.append(token)  # scrubbed should a harness ever send it (it cannot read it in a pod)
             # In a pod, rewards for its own episode only (unless the operator lets clients choose episodes).
             own = (
                 (o.forge_episode_id or self.pod_episode)
                 if self.pod_episode and not o.forge_trust_episode_header
                 else None
             )
-            self.admin = AdminServer(("127.0.0.1", o.forge_admin_port), self.writer, self.metrics, token, own).start()
+            address = ("127.0.0.1", o.forge_admin_port) if o.forge_admin_port else None
+            socket_path = Path(o.forge_reward_socket) if o.forge_reward_socket else None
+            try:
+                self.admin = AdminServer(address, self.writer, self.metrics, token, own, socket_path).start()
+            except OSError as error:
+                log.error("the admin endpoint cannot listen: %s: the sidecar stops", error)
+                ctx.master.shutdown()
+                return
         log.info("OpenForge sidecar %s: upstream %s, store %s", self.sidecar_id, o.forge_upstream, store.uri)
 
     def _reward_token(self, wal_dir: Path) -> str:

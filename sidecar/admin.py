@@ -1,14 +1,22 @@
 """The sidecar's admin endpoint, on loopback only: ``POST /reward`` (the verifier's, with a bearer token),
-``GET /metrics`` and ``GET /healthz`` (read-only, open).
+``GET /metrics`` and ``GET /healthz`` (read-only, open); and, in a pod, its reward socket.
 
 The agent under training shares the pod's loopback and runs shell commands, so the port alone proves nothing:
 a reward is taken only with ``Authorization: Bearer <token>``, the token read from a file the harness's uid
 cannot read (``--reward-token-file``; by default a random one the sidecar writes, mode 0600, into its WAL
-folder). Without a token the answer is 401, with a wrong one 403, and nothing is written. The record's
-``source`` is set here (``admin:verifier``), never taken from the caller. In a pod (``episode`` given) only the
-pod's own episode takes a reward: one Secret serves every pod, and its holder must not set a sibling's (403,
-counted as ``reward_refused_total{reason="other_episode"}``). Every accepted reward is kept; the collector counts
-the latest per episode (or call), and all stay queryable in ``rewards``.
+folder). Without a token the answer is 401, with a wrong one 403, and nothing is written.
+
+In a pod no token exists (``--reward-socket``): rewards come on a Unix socket in a volume only the sidecar and
+the verifier container mount, mode 0600, and a connection is taken only from a peer whose uid (the kernel's
+``SO_PEERCRED``, not anything the caller says) is root's or the sidecar's own: ``forge verify`` runs as root and
+runs the task's verifier (agent-written code) as uid 65534, which can neither open the socket nor pass the check.
+Loopback TCP then takes no reward at all (403, ``reward_refused_total{reason="tcp_closed"}``): there is no
+credential in the pod for the agent to find.
+
+The record's ``source`` is set here (``admin:verifier``), never taken from the caller. In a pod (``episode``
+given) only the pod's own episode takes a reward (403, counted as
+``reward_refused_total{reason="other_episode"}``). Every accepted reward is kept; the collector counts the latest
+per episode (or call), and all stay queryable in ``rewards``.
 """
 
 import hmac
@@ -17,7 +25,10 @@ import logging
 import math
 import os
 import secrets
+import socket
+import socketserver
 import stat
+import struct
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -103,13 +114,45 @@ def bearer_token(authorization: str | None) -> str | None:
     return credential.strip() or None
 
 
+def peer_uid(sock: socket.socket) -> int:
+    """The uid of the process at the other end of a connected Unix socket, as the kernel knows it (SO_PEERCRED:
+    the client's when the server asks, the server's, as of its listen(), when the client asks)."""
+    _, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return int(uid)
+
+
+class _RewardSocketServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    """HTTP on a Unix socket, mode 0600; each request's client address is ("unix", the peer's uid)."""
+
+    daemon_threads = True
+
+    def server_bind(self) -> None:
+        path = Path(str(self.server_address))
+        try:
+            if stat.S_ISSOCK(path.lstat().st_mode):
+                path.unlink()  # a socket left by an earlier start of this sidecar
+        except FileNotFoundError:
+            pass
+        super().server_bind()
+        os.chmod(path, 0o600)  # before listen(): nothing can connect in between
+
+    def get_request(self) -> tuple[socket.socket, tuple[str, int]]:
+        connection, _ = self.socket.accept()
+        return connection, ("unix", peer_uid(connection))
+
+
 class AdminServer:
     def __init__(
-        self, address: tuple[str, int], writer: RecordWriter, metrics: Metrics, token: str, episode: str | None = None
-    ) -> None:
-        if len(token) < MIN_TOKEN_LEN:
+        self, address: tuple[str, int] | None, writer: RecordWriter, metrics: Metrics, token: str | None,
+        episode: str | None = None, reward_socket: Path | None = None,
+        socket_uids: frozenset[int] | None = None,
+    ) -> None:  # fmt: skip
+        """``token`` None: loopback TCP takes no reward (the reward socket does). ``socket_uids``: the peers the
+        socket takes rewards from [default: root and this process's own uid]."""
+        allowed = socket_uids if socket_uids is not None else frozenset({0, os.geteuid()})
+        if token is not None and len(token) < MIN_TOKEN_LEN:
             raise TokenFileError(f"the reward token must be at least {MIN_TOKEN_LEN} characters")
-        expected = token.encode()
+        expected = token.encode() if token is not None else None
 
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *args: Any) -> None:  # no access log: bodies and headers stay out of logs
@@ -134,18 +177,28 @@ class AdminServer:
                 else:
                     self.reply(404, {"error": f"no such endpoint: GET {self.path}"})
 
+            def refuse(self, reason: str, code: int, message: str, headers: dict[str, str] | None = None) -> bool:
+                metrics.inc(f'reward_refused_total{{reason="{reason}"}}')
+                self.reply(code, {"error": message}, headers=headers)
+                return False
+
             def authorized(self) -> bool:
-                """The caller holds the token; else answer 401 (none given) or 403 (a wrong one) and say no."""
+                """On the socket: the peer's uid is root's or the sidecar's. On TCP: the caller holds the token (401
+                when none is given, 403 when a wrong one is, or when TCP takes no rewards)."""
+                if isinstance(self.server, _RewardSocketServer):
+                    uid = self.client_address[1]
+                    if uid in allowed:
+                        return True
+                    return self.refuse("peer_uid", 403, f"uid {uid} may not post rewards on this socket")
+                if expected is None:
+                    return self.refuse("tcp_closed", 403, "this sidecar takes rewards on its reward socket only")
                 given = bearer_token(self.headers.get("authorization"))
                 if given is None:
-                    metrics.inc('reward_refused_total{reason="no_token"}')
-                    message = "a reward needs Authorization: Bearer <the token in the reward token file>"
-                    self.reply(401, {"error": message}, headers={"www-authenticate": 'Bearer realm="forge-admin"'})
-                    return False
+                    return self.refuse("no_token", 401,
+                                       "a reward needs Authorization: Bearer <the token in the reward token file>",
+                                       {"www-authenticate": 'Bearer realm="forge-admin"'})  # fmt: skip
                 if not hmac.compare_digest(given.encode(), expected):  # constant time: no guessing byte by byte
-                    metrics.inc('reward_refused_total{reason="wrong_token"}')
-                    self.reply(403, {"error": "wrong reward token"})
-                    return False
+                    return self.refuse("wrong_token", 403, "wrong reward token")
                 return True
 
             def do_POST(self) -> None:
@@ -173,17 +226,28 @@ class AdminServer:
                 metrics.inc("rewards_total")
                 self.reply(200, {"ok": True, "source": REWARD_SOURCE, "at": row["at"]})
 
-        self.server = ThreadingHTTPServer(address, Handler)
-        self.server.daemon_threads = True
+        self.servers: list[socketserver.BaseServer] = []
+        if address is not None:
+            tcp = ThreadingHTTPServer(address, Handler)
+            tcp.daemon_threads = True
+            self.servers.append(tcp)
+        if reward_socket is not None:
+            self.servers.append(_RewardSocketServer(str(reward_socket), Handler))
+        self.reward_socket = reward_socket
 
     @property
     def port(self) -> int:
-        return int(self.server.server_address[1])
+        tcp = next(s for s in self.servers if isinstance(s, ThreadingHTTPServer))
+        return int(tcp.server_address[1])
 
     def start(self) -> "AdminServer":
-        threading.Thread(target=self.server.serve_forever, name="forge-admin", daemon=True).start()
+        for server in self.servers:
+            threading.Thread(target=server.serve_forever, name="forge-admin", daemon=True).start()
         return self
 
     def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        for server in self.servers:
+            server.shutdown()
+            server.server_close()
+        if self.reward_socket is not None:
+            self.reward_socket.unlink(missing_ok=True)

@@ -97,6 +97,9 @@ def upstream_trust(confdir: Path, extra_cas: tuple[Path, ...]) -> dict[str, str]
 @click.option("--reward-token-file", type=click.Path(path_type=Path, dir_okay=False),
               help="The bearer token POST /reward needs, in a file the harness's uid cannot read "
                    "[default: a new random one, mode 0600, at WAL_DIR/reward-token].")  # fmt: skip
+@click.option("--reward-socket", type=click.Path(path_type=Path, dir_okay=False),
+              help="Also take POST /reward on this Unix socket (mode 0600), from root or the sidecar's own "
+                   "uid only (a pod's verifier); without --reward-token-file, TCP takes no reward.")  # fmt: skip
 @click.option("--trust-episode-header", is_flag=True,
               help="In a pod (POD_UID/FORGE_EPISODE_ID set), let X-Forge-Episode-Id/X-Forge-Task-Id or the proxy "
                    "user name choose a call's episode; by default the pod's identity wins.")  # fmt: skip
@@ -141,8 +144,8 @@ def upstream_trust(confdir: Path, extra_cas: tuple[Path, ...]) -> dict[str, str]
 def sidecar_command(
     mode: str, listen_host: str | None, listen_port: int, upstream: tuple[str, ...], health_seconds: float, store: str,
     s3_endpoint: str | None, wal_dir: Path | None, episode_id: str | None, task_id: str | None,
-    run_id: str | None, admin_port: int,
-    reward_token_file: Path | None, trust_episode_header: bool, policy_model: str | None, model_map: str,
+    run_id: str | None, admin_port: int, reward_token_file: Path | None, reward_socket: Path | None,
+    trust_episode_header: bool, policy_model: str | None, model_map: str,
     model_hosts: str,
     policy_version: str | None, flush_seconds: float, flush_rows: int, max_wal_bytes: int, fsync: str,
     drain_seconds: float, tokens_in: str, max_completion_tokens: int, ca_dir: Path | None,
@@ -186,7 +189,7 @@ def sidecar_command(
     args = mitmdump_command(
         mode, listen_host, listen_port, upstreams, store, wal, confdir, episode_id,
         {"task_id": task_id, "run_id": run_id, "admin_port": admin_port or None, "model_map": model_map,
-         "policy_model": policy_model,
+         "policy_model": policy_model, "reward_socket": reward_socket.resolve() if reward_socket else None,
          "reward_token_file": reward_token_file, "trust_episode_header": "true" if trust_episode_header else None,
          "model_hosts": model_hosts, "policy_version": policy_version, "s3_endpoint": s3_endpoint,
          "flush_seconds": flush_seconds, "flush_rows": flush_rows, "max_wal_bytes": max_wal_bytes,

@@ -8,6 +8,7 @@ It starts its own policy server (the demo loads adapters into it) and installs m
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -210,3 +211,19 @@ def test_what_a_harness_leaves_running_is_killed_before_the_verifier_reads_the_w
     assert done.returncode == 0
     __import__("time").sleep(3)
     assert not (tmp_path / "late").exists()
+
+
+def test_what_a_harness_leaves_running_in_a_session_of_its_own_is_killed_too(tmp_path: Path) -> None:
+    """setsid and a double fork leave the harness's process group (a killpg of the group missed them: `late` was
+    written after the verifier had read the workspace); the subreaper still ends them. Also after a timeout."""
+    from k8s.rollout import run_in_own_session
+
+    escape = "(setsid sh -c 'sleep 2; touch late' </dev/null >/dev/null 2>&1 &) ; exit 3"
+    with open(tmp_path / "log", "wb") as log:
+        done = run_in_own_session(["bash", "-c", escape], tmp_path, {"PATH": "/usr/bin:/bin"}, log, 30)
+    assert done.returncode == 3
+    slow = "(setsid sh -c 'sleep 3; touch later' </dev/null >/dev/null 2>&1 &) ; sleep 30"
+    with open(tmp_path / "log", "wb") as log, pytest.raises(subprocess.TimeoutExpired):
+        run_in_own_session(["bash", "-c", slow], tmp_path, {"PATH": "/usr/bin:/bin"}, log, 1)
+    time.sleep(4)
+    assert not (tmp_path / "late").exists() and not (tmp_path / "later").exists()

@@ -15,9 +15,11 @@ never with a NaN, and they are counted in every step's metrics (``tokens_unknown
 
 Advantages are computed per episode (one reward, one score) by veRL's estimator registry, the collector's
 ``group_id`` as the group index, then broadcast to every segment of the episode. Every episode with a reward counts
-in its group's baseline, also one whose segments are all left out (an agent cannot move its siblings' baseline by
-making its own episodes untrainable); a group whose rewards are all equal teaches nothing (every advantage 0) and is
-left out of the update, counted (``zero_variance_group``), rather than diluting the token mean.
+in its group's baseline, also one whose segments are all left out and one the trainer does not select (an error
+call, a call of unknown weights: ``baseline_mates``): an agent cannot move its siblings' baseline, nor escape the
+negative advantage of a failure, by making its own episode untrainable. A group whose rewards are all equal
+teaches nothing (every advantage 0) and is left out of the update, counted (``zero_variance_group``), rather than
+diluting the token mean.
 """
 
 import math
@@ -119,12 +121,14 @@ def parse_version(version: str | None) -> int | None:
     return int(text) if text.isdigit() else None
 
 
-def rows_from_segments(segments: pa.Table) -> Batch:
-    """Segments (any subset of the collector's rows) → rows; segments with nothing trainable are skipped, counted."""
+def rows_from_segments(segments: pa.Table, baseline: dict[str, tuple[str, float]] | None = None) -> Batch:
+    """Segments (any subset of the collector's rows) → rows; segments with nothing trainable are skipped, counted.
+    ``baseline``: episodes not among the segments that count in their groups' baselines all the same
+    (``baseline_mates``)."""
     missing = [c for c in ROW_COLUMNS if c not in segments.column_names]
     if missing:
         raise ForgeError(f"the segments lack the columns {missing}: they do not come from this collector version")
-    batch = Batch(rows=[])
+    batch = Batch(rows=[], episodes=dict(baseline or {}))
     for seg in segments.select(list(ROW_COLUMNS)).to_pylist():
         if not seg["episode_id"]:
             batch.skip("no_episode_id")
@@ -155,6 +159,36 @@ def rows_from_segments(segments: pa.Table) -> Batch:
             )
         )  # fmt: skip
     return batch
+
+
+def baseline_mates(episodes: pa.Table, chosen: list[str]) -> dict[str, tuple[str, float]]:
+    """The episodes that count in the baselines of the chosen episodes' groups without being chosen: every finished
+    episode with a finite reward in such a group, whatever its status (an error call, weights unknown), and one
+    whose calls' weights are all unknown (its group id then has no version) when exactly one chosen group is of its
+    run and task. Maps each to (the chosen group, its reward)."""
+    rows = episodes.select(["episode_id", "group_id", "run_id", "task_id", "status", "reward",
+                            "policy_version_min"]).to_pylist()  # fmt: skip
+    picked = set(chosen)
+    groups = {r["group_id"] for r in rows if r["episode_id"] in picked}
+    by_task: dict[tuple[str, str], list[str]] = {}
+    for r in rows:
+        if r["episode_id"] in picked and r["task_id"]:
+            by_task.setdefault((r["run_id"], r["task_id"]), [])
+            if r["group_id"] not in by_task[(r["run_id"], r["task_id"])]:
+                by_task[(r["run_id"], r["task_id"])].append(r["group_id"])
+    mates: dict[str, tuple[str, float]] = {}
+    for r in rows:
+        if r["episode_id"] in picked or r["status"] == "unfinished":
+            continue
+        if r["reward"] is None or not math.isfinite(r["reward"]):
+            continue
+        group = r["group_id"] if r["group_id"] in groups else None
+        if group is None and r["policy_version_min"] is None:
+            candidates = by_task.get((r["run_id"], r["task_id"]), [])
+            group = candidates[0] if len(candidates) == 1 else None
+        if group is not None:
+            mates[r["episode_id"]] = (group, float(r["reward"]))
+    return mates
 
 
 def episode_advantages(

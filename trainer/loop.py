@@ -43,7 +43,15 @@ from collector.episode import is_evaluation
 from forge.errors import ForgeError
 from forge.paths import cache_dir
 from sidecar.store import open_store
-from trainer.batch import Batch, counted, episode_advantages, padded, parse_version, rows_from_segments
+from trainer.batch import (
+    Batch,
+    baseline_mates,
+    counted,
+    episode_advantages,
+    padded,
+    parse_version,
+    rows_from_segments,
+)
 from trainer.publish import (
     PROBE_IDS,
     PROBE_STEPS,
@@ -298,8 +306,8 @@ class Trainer:
         """One update, publish and commit. every_ready: on every whole group ready now, without waiting for
         --episodes-per-step (forge demo's rounds); NothingReady when there is none."""
         s, version = self.settings, self.state.version
-        segments, episode_ids, aged, ages = self.wait_for_episodes(every_ready)
-        batch = rows_from_segments(segments)
+        segments, episode_ids, aged, ages, mates = self.wait_for_episodes(every_ready)
+        batch = rows_from_segments(segments, mates)
         advantage = episode_advantages(batch.episodes, s.algo) if batch.episodes else {}
         # With a KL term a flat group still has a gradient (towards the reference): then it stays.
         flat_groups = batch.leave_out_flat_groups() if s.kl_coef == 0 else 0
@@ -344,7 +352,9 @@ class Trainer:
                 raise ForgeError("veRL reported no finite kl_loss with --kl-coef: the KL term did not run")
         return metrics
 
-    def wait_for_episodes(self, every_ready: bool = False) -> tuple[pa.Table, list[str], list[str], list[int]]:
+    def wait_for_episodes(
+        self, every_ready: bool = False
+    ) -> tuple[pa.Table, list[str], list[str], list[int], dict[str, tuple[str, float]]]:
         """Poll the collector until enough whole groups are ready (bounded by --wait-timeout, with a bar); with
         every_ready, take every whole group ready now (NothingReady when none is)."""
         s, version = self.settings, self.state.version
@@ -376,7 +386,7 @@ class Trainer:
         segments = segments.filter(pc.is_in(segments["episode_id"], pa.array(chosen, pa.string())))
         ep = collection.episodes.filter(pc.is_in(collection.episodes["episode_id"], pa.array(chosen, pa.string())))
         ages = [version - (parse_version(v) or 0) for v in ep["policy_version_min"].to_pylist()]
-        return segments, chosen, aged, ages
+        return segments, chosen, aged, ages, baseline_mates(collection.episodes, chosen)
 
     # ---- publish and commit ----------------------------------------------------------------------------------
     def publish(self, version: int) -> PublishResult:

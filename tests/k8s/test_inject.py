@@ -37,6 +37,7 @@ CASES: dict[str, str | None] = {
     "annotations-need-escaping": None,
     "refused-share-process-namespace": "enabled",
     "refused-harness-mounts-reward-token": "enabled",
+    "refused-harness-mounts-reward-socket": "enabled",
     "refused-volume-name-taken": "enabled",
     "refused-app-runs-as-proxy-uid": "enabled",
     "refused-app-adds-net-admin": "enabled",
@@ -203,6 +204,10 @@ def test_an_already_injected_pod_is_left_byte_for_byte():
     [
         ("refused-share-process-namespace", "shareProcessNamespace"),
         ("refused-harness-mounts-reward-token", "container harness mounts the reward credential"),
+        (
+            "refused-harness-mounts-reward-socket",
+            "container harness mounts volume openforge-reward-socket, which the injection adds",
+        ),
         ("refused-volume-name-taken", "already has a volume named openforge-wal"),
         ("refused-app-runs-as-proxy-uid", "container harness runs as uid 1337, the sidecar's"),
         ("refused-app-adds-net-admin", "container harness adds NET_ADMIN"),

@@ -30,7 +30,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.skipif(root_cause() is not No
 ROOT = Path(__file__).resolve().parents[2]
 FORGE = str(Path(sys.executable).parent / "forge")
 MODEL_HOST = "api.openai.com"
-TOKEN = "pod-reward-token-0123456789abcdef"  # what the Secret openforge-reward-token holds
 
 
 def read_rewards(store: str) -> list[dict]:
@@ -92,8 +91,7 @@ def test_the_injected_commands_make_a_recording_pod(tmp_path):
             assert f"--uid-owner {PROXY_UID} -j RETURN" in rules and "--to-ports 15001" in rules
 
             (work / "reward").mkdir()
-            (work / "reward/token").write_text(TOKEN)
-            (work / "reward/token").chmod(0o444)  # as the Secret volume's defaultMode leaves it
+            (work / "reward").chmod(0o777)  # the reward socket's emptyDir
             args = in_work(inject.sidecar_container(settings)["args"], work)
             args[args.index("--upstream") + 1] = f"http://{relay.listen[0]}:{relay.listen[1]}"
             args[args.index("--store") + 1] = str(work / "store")
@@ -137,24 +135,34 @@ def test_the_injected_commands_make_a_recording_pod(tmp_path):
             assert json.loads(upstream.server.requests[-1]["body"])["model"] == "forge-run9"  # type: ignore[attr-defined]
             assert call["model_served"] == "forge-run9" and call["policy_version"] == "fake-1"
 
-            # The harness has no token: its reward is refused. The verifier's `forge verify` has it: recorded.
+            # Loopback TCP, which the harness shares, takes no reward: the pod holds no credential. The verifier
+            # container's `forge verify` (root) posts on the sidecar's socket; the verifier itself runs as 65534.
             forged = net.pod.run(
                 ["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "-XPOST", "http://127.0.0.1:15002/reward",
                  "-d", json.dumps({"episode_id": "run9.add.0", "reward": 1.0})],
                 uid=CLIENT_UID, env={"PATH": "/usr/bin:/bin"},
             )  # fmt: skip
-            assert forged.stdout == "401"
-            verifier_env = {"PATH": "/usr/bin:/bin", "FORGE_EPISODE_ID": "run9.add.0",
-                            "FORGE_ADMIN_URL": "http://127.0.0.1:15002",
-                            "FORGE_REWARD_TOKEN_FILE": str(work / "reward/token"), **pod_env}  # fmt: skip
+            assert forged.stdout == "403"
+            verifier = next(
+                e
+                for e in inject._app_container_operations(
+                    ("spec", "containers", 0), {"name": "verifier"}, settings, is_verifier=True
+                )
+                if e["path"].endswith("env")
+            )
+            verifier_env = {"PATH": "/usr/bin:/bin", "FORGE_EPISODE_ID": "run9.add.0", **pod_env,
+                            **{e["name"]: e["value"] for e in verifier["value"] if "value" in e}}  # fmt: skip
+            verifier_env["FORGE_REWARD_SOCKET"] = verifier_env["FORGE_REWARD_SOCKET"].replace(
+                inject.REWARD_DIR, str(work / "reward")
+            )
             log = str(work / "termination-log")
             # In the pod's own working folder: the checkout may be closed to the verifier's uid.
             verify = ["env", "-C", str(work), *pod_forge, "verify", "--termination-log", log, "--", "sh", "-c",
-                      'echo 0.5 > "$FORGE_VERDICT_FILE"']  # fmt: skip
-            net.pod.run(verify, uid=CLIENT_UID + 1, env=verifier_env)
+                      'test "$(id -u)" = 65534 && echo 0.5 > "$FORGE_VERDICT_FILE"']  # fmt: skip
+            done = net.pod.run(verify, env=verifier_env)
+            assert json.loads(done.stdout)["reward"] == 0.5, done.stderr
             (reward,) = wait_for(lambda: read_rewards(str(work / "store")), what="the verifier's reward")
             assert reward["episode_id"] == "run9.add.0" and reward["reward"] == 0.5
-            assert TOKEN not in (work / "sidecar.log").read_text()
         finally:
             if sidecar is not None:
                 stop(sidecar)

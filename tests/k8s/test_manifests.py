@@ -63,7 +63,7 @@ def test_the_base_has_every_part(rendered):
         ("Service", "openforge-policy"), ("Service", "openforge-policy-replicas"), ("Job", "openforge-trainer"),
         ("ConfigMap", "openforge-store"),
         ("NetworkPolicy", "openforge-rollouts-egress"), ("Role", "openforge-orchestrator"),
-        ("Secret", "openforge-ca"), ("Secret", "openforge-reward-token"), ("ConfigMap", "openforge-ca-bundle"),
+        ("Secret", "openforge-ca"), ("ConfigMap", "openforge-ca-bundle"),
     ]:  # fmt: skip
         assert part in names
 
@@ -99,7 +99,7 @@ def test_least_privilege(rendered):
     injector = next(o for o in by_kind(objects, "Deployment") if o["metadata"]["name"] == "openforge-injector")
     assert injector["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
     secrets = {(o["metadata"]["namespace"], o["metadata"]["name"]) for o in by_kind(objects, "Secret")}
-    assert ("openforge-rollouts", "openforge-reward-token") in secrets
+    assert secrets == {("openforge-system", "openforge-injector-tls"), ("openforge-rollouts", "openforge-ca")}
 
 
 def test_without_the_certificates_kustomize_says_which_file_is_missing(tmp_path):

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+import socketserver
 import subprocess
 import tempfile
 import threading
@@ -80,14 +81,12 @@ def test_the_sidecar_containers_arguments_are_the_sidecars_own_options(image_src
     for path, local in mounts.items():
         args = [a.replace(path, str(local)) for a in args]
     init_ca(tmp_path / "ca")  # what the CA init container leaves in the shared emptyDir
-    (tmp_path / "reward").mkdir()
-    (tmp_path / "reward/token").write_text("a-reward-token-of-at-least-the-minimum-length")  # the Secret's file
     done = pod_forge(image_src, [*args, "--print-command"])
     assert done.returncode == 0, done.stderr
     mitmdump = json.loads(done.stdout)
     assert "--mode" in mitmdump and mitmdump[mitmdump.index("--mode") + 1] == "transparent"
     assert "forge_tls_passthrough=true" in mitmdump and "forge_s3_endpoint=http://minio:9000" in mitmdump
-    assert any(str(tmp_path / "reward/token") in a for a in mitmdump)
+    assert f"forge_reward_socket={tmp_path / 'reward/sidecar.sock'}" in mitmdump
 
 
 def test_the_probe_passes_only_while_the_admin_endpoint_answers(image_src):
@@ -172,13 +171,87 @@ def test_the_verifier_posts_its_reward_with_the_token_and_leaves_its_verdict(ima
     assert "s3cret-token" not in done.stdout + done.stderr
 
 
+@contextlib.contextmanager
+def fake_reward_socket() -> Iterator[tuple[Path, list[tuple[int, dict]]]]:
+    """Stands in for the sidecar's reward socket (served by this process, root), in a folder every uid may write
+    (an emptyDir): its path, and the (peer uid, body) of each POST."""
+    from sidecar.admin import peer_uid
+
+    received: list[tuple[int, dict]] = []
+
+    class Admin(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+            received.append((peer_uid(self.request), body))
+            self.send_response(200)
+            self.send_header("content-length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *args) -> None:
+            pass
+
+    class Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+        daemon_threads = True
+
+        def get_request(self):
+            connection, _ = self.socket.accept()
+            return connection, ("unix", 0)
+
+    folder = Path(tempfile.mkdtemp(prefix="forge-reward-"))
+    folder.chmod(0o777)
+    path = folder / "sidecar.sock"
+    server = Server(str(path), Admin)
+    path.chmod(0o600)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield path, received
+    finally:
+        server.shutdown()
+        server.server_close()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def verify_with_socket(image_src: Path, tmp_path: Path, sock: Path, script: str) -> subprocess.CompletedProcess:
+    """`forge verify -- sh -c SCRIPT` as the injected verifier container runs it (root, the socket's variables)."""
+    workspace = Path(tempfile.mkdtemp(prefix="forge-workspace-"))
+    workspace.chmod(0o755)
+    env = {"FORGE_EPISODE_ID": "run.add.0", "FORGE_REWARD_SOCKET": str(sock), "FORGE_SIDECAR_UID": "0"}
+    try:
+        return subprocess.run(
+            [str(SIDECAR_PYTHON), "-m", "k8s.pod", "verify", "--termination-log", str(tmp_path / "termination-log"),
+             "--", "sh", "-c", script],
+            capture_output=True, text=True, timeout=60, cwd=workspace,
+            env={"PYTHONPATH": str(image_src), "PATH": "/usr/bin:/bin", **env},
+        )  # fmt: skip
+    finally:
+        shutil.rmtree(workspace)
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="forge verify runs the verifier as another uid only as root")
-def test_the_verifier_cannot_read_the_reward_token_yet_its_reward_carries_it(image_src, tmp_path):
-    """The verifier runs agent-written code: it runs as another uid, after forge verify has read the token."""
-    token = tmp_path / "token"
-    with fake_admin() as (url, received):
-        unreadable = f'! cat {token} >/dev/null 2>&1 && test -z "$FORGE_REWARD_TOKEN_FILE"'
-        script = f'{unreadable} && echo 0.5 > "$FORGE_VERDICT_FILE"'
-        done = verify_in_workspace(image_src, tmp_path, url, script)
+def test_in_a_pod_the_reward_goes_on_the_socket_which_the_verifiers_code_cannot_use(image_src, tmp_path):
+    """The verifier runs agent-written code as uid 65534: it cannot open the reward socket (mode 0600) nor find the
+    socket's path in its environment; forge verify (root) posts the verdict there."""
+    with fake_reward_socket() as (sock, received):
+        forged = (f"curl -s --max-time 5 --unix-socket {sock} -d '{{\"episode_id\": \"run.add.0\", \"reward\": 9}}' "
+                  "http://sidecar/reward")  # fmt: skip
+        script = (f'{forged}; test -z "$FORGE_REWARD_SOCKET" && test "$(id -u)" = 65534 && '
+                  'echo 0.5 > "$FORGE_VERDICT_FILE"')  # fmt: skip
+        done = verify_with_socket(image_src, tmp_path, sock, script)
     assert done.returncode == 0, done.stderr
-    assert [(auth, body["reward"]) for auth, body in received] == [("Bearer s3cret-token", 0.5)]
+    assert received == [(0, {"episode_id": "run.add.0", "reward": 0.5, "components": {}, "source": "verifier"})]
+    assert json.loads((tmp_path / "termination-log").read_text())["reward"] == 0.5
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="forge verify runs the verifier as another uid only as root")
+def test_a_socket_the_verifiers_code_put_in_the_sidecars_place_gets_no_reward(image_src, tmp_path):
+    """The socket's folder is an emptyDir any uid may write: agent-written code can remove the sidecar's socket and
+    listen in its place (to read or answer the reward). forge verify checks who listens before it sends a byte."""
+    with fake_reward_socket() as (sock, received):
+        listen = (f"import socket, os, time; s = socket.socket(socket.AF_UNIX); s.bind('{sock}'); s.listen(); "
+                  f"os.chmod('{sock}', 0o666); time.sleep(15)")  # fmt: skip
+        script = (f'rm -f {sock} && ({SIDECAR_PYTHON.resolve()} -c "{listen}" >/dev/null 2>&1 &) && sleep 1 && '
+                  'echo 1 > "$FORGE_VERDICT_FILE"')  # fmt: skip
+        done = verify_with_socket(image_src, tmp_path, sock, script)
+    assert done.returncode != 0 and "served by uid 65534, not the sidecar's (0)" in done.stderr, done.stderr
+    assert received == []

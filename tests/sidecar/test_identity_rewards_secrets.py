@@ -1,7 +1,10 @@
 """Episode identity (flag, proxy user, header, environment), rewards (admin endpoint, CLI), and secrets."""
 
 import json
+import os
+import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import httpx
@@ -123,6 +126,60 @@ def test_in_a_pod_a_reward_for_another_episode_is_refused_and_counted(start_side
     wait_for(lambda: _rewards(sidecar.store), what="the pod's reward")
     sidecar.stop()
     assert [row[:2] for row in _rewards(sidecar.store)] == [("pod-episode", 1.0)]
+
+
+SOCKET_CLIENT = """
+import http.client, json, socket, sys
+class C(http.client.HTTPConnection):
+    def connect(self):
+        self.sock = socket.socket(socket.AF_UNIX)
+        self.sock.connect(sys.argv[1])
+try:
+    c = C("localhost", timeout=10)
+    c.request("POST", "/reward", json.dumps({"episode_id": sys.argv[2], "reward": float(sys.argv[3])}),
+              {"content-type": "application/json"})
+    print(c.getresponse().status)
+except OSError as error:
+    print(type(error).__name__)
+"""
+
+
+def post_on_socket(path: Path, episode: str, reward: float, uid: int | None = None) -> str:
+    """POST /reward on a Unix socket from a process of ``uid``: the status, or the error that stopped the connect."""
+    python = (repo_root() / ".venv-sidecar" / "bin" / "python").resolve()  # Debian's: every uid may run it
+    done = subprocess.run([str(python), "-c", SOCKET_CLIENT, str(path), episode, str(reward)], user=uid,
+                          capture_output=True, text=True, timeout=30, check=True)  # fmt: skip
+    return done.stdout.strip()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the peer check is shown with another uid's process: needs root")
+def test_in_a_pod_rewards_come_on_the_socket_from_root_only_and_tcp_takes_none(start_sidecar, fake_upstream, request):
+    """A pod holds no reward credential: the verifier container's root posts on a socket only it and the sidecar
+    mount; agent-written code (another uid) can neither open the socket nor pass the kernel's peer check, and
+    loopback TCP, which every container shares, takes no reward."""
+    folder = Path(tempfile.mkdtemp(prefix="forge-reward-"))  # pytest's tmp_path is closed to other uids
+    folder.chmod(0o777)  # an emptyDir: every uid may enter it
+    request.addfinalizer(lambda: shutil.rmtree(folder, ignore_errors=True))
+    sock = folder / "sidecar.sock"
+    sidecar = start_sidecar(fake_upstream.url, episode_id=None, env={"POD_UID": "pod-episode"},
+                            extra=("--reward-socket", str(sock)))  # fmt: skip
+    wait_for(sock.exists, what="the reward socket")
+    assert sock.stat().st_mode & 0o777 == 0o600
+    assert not (sidecar.wal_dir / "reward-token").exists()  # no credential exists to be found
+    assert sidecar.post_admin("/reward", {"episode_id": "pod-episode", "reward": 9.0}, token=None)[0] == 403
+    assert post_on_socket(sock, "pod-episode", 7.0, uid=65534) == "PermissionError"  # mode 0600
+    sock.chmod(0o666)  # were the mode ever wrong, the kernel's peer uid still refuses it
+    assert post_on_socket(sock, "pod-episode", 8.0, uid=65534) == "403"
+    assert post_on_socket(sock, "sibling-episode", 0.0) == "403"  # root, but not this pod's episode
+    assert post_on_socket(sock, "pod-episode", 0.5) == "200"
+    metrics = sidecar.metrics()
+    assert metrics['reward_refused_total{reason="tcp_closed"}'] == 1
+    assert metrics['reward_refused_total{reason="peer_uid"}'] == 1
+    assert metrics['reward_refused_total{reason="other_episode"}'] == 1
+    wait_for(lambda: _rewards(sidecar.store), what="the verifier's reward")
+    sidecar.stop()
+    assert [row[:3] for row in _rewards(sidecar.store)] == [("pod-episode", 0.5, "admin:verifier")]
+    assert not sock.exists()  # removed at exit
 
 
 def test_rewards_from_a_given_token_file_through_the_cli_and_into_the_store(start_sidecar, fake_upstream, tmp_path):

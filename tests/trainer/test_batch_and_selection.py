@@ -145,7 +145,7 @@ def test_a_trainer_never_selects_an_evaluations_episodes(tmp_path):
     trainer.settings = TrainSettings(store=str(store), policy_url="http://127.0.0.1:9", idle_seconds=0.0)
     trainer.state = TrainState()
     trainer.collector = Collector(str(store), idle_seconds=0.0, progress=False)
-    _, chosen, _, _ = trainer.wait_for_episodes(every_ready=True)
+    _, chosen, _, _, _ = trainer.wait_for_episodes(every_ready=True)
     assert sorted(chosen) == ["train-a", "train-b"]
     trainer.state = TrainState(trained=chosen)  # once trained, only the evaluation's remain: nothing to train on
     with pytest.raises(NothingReady, match="4 for evaluation"):
@@ -172,6 +172,37 @@ def test_an_episode_whose_weights_are_unknown_is_never_trained_and_says_why(tmp_
     assert counts == {"known-1": 0, "known-2": 0, "unknown": 1}
     chosen, aged, waiting = select_groups(episodes, 0, "sync", 0, set(), 10)
     assert sorted(chosen) == ["known-1", "known-2"] and not aged and waiting["version_unknown"] == 1
+
+
+def test_an_episode_the_trainer_does_not_select_still_counts_in_its_groups_baseline(tmp_path):
+    """An agent that fails its task could also break a call (an error record) or make every call of its episode
+    unknown-versioned: the episode is then never selected, and before, its group's baseline was its siblings'
+    alone: the failure got no negative advantage and the winners a smaller positive one (a: +0.707 with b's 0.0
+    alone). Its reward counts all the same; it is never trained (nothing of it enters the update)."""
+    rows = []
+    for n, (episode_id, how) in enumerate([("a", "ok"), ("b", "ok"), ("broke", "error"), ("hid", "unknown")]):
+        episode = SyntheticEpisode(episode_id, task_id="t", run_id="r")
+        episode.call(list(range(100 + n, 110 + n)), [2000 + n, 2001])
+        if how == "error":
+            episode.call([*range(100 + n, 110 + n), 2000 + n, 2001, 7], None, status="error", error="HTTP 400")
+        elif how == "unknown":
+            episode.rows[-1]["policy_version"] = None
+        rows += episode.rows
+    write_calls(str(tmp_path), rows, name="calls-0", run="r")
+    rewards = {"a": 1.0, "b": 0.0, "broke": 0.0, "hid": 0.0}
+    write_rewards(str(tmp_path), [{"episode_id": e, "reward": r} for e, r in rewards.items()], run="r")
+    trainer = Trainer.__new__(Trainer)
+    trainer.settings = TrainSettings(store=str(tmp_path), policy_url="http://127.0.0.1:9", idle_seconds=0.0)
+    trainer.state = TrainState()
+    trainer.collector = Collector(str(tmp_path), idle_seconds=0.0, progress=False)
+    segments, chosen, _, _, mates = trainer.wait_for_episodes(every_ready=True)
+    assert sorted(chosen) == ["a", "b"]
+    assert mates == {"broke": ("r/t/v0", 0.0), "hid": ("r/t/v0", 0.0)}  # "hid" has no version: its run and task
+    batch = rows_from_segments(segments, mates)
+    assert batch.episode_ids == ["a", "b"]  # trained: the selected only
+    advantage = episode_advantages(batch.episodes, "grpo")
+    # GRPO over (1, 0, 0, 0): mean 1/4, sd (unbiased) 1/2
+    assert advantage["a"] == pytest.approx(1.5, abs=1e-4) and advantage["b"] == pytest.approx(-0.5, abs=1e-4)
 
 
 def test_a_segment_sampled_otherwise_than_at_a_plain_temperature_is_left_out_counted():
