@@ -3,7 +3,7 @@
 - `webhook/`: a CA (`ca.crt`) and the webhook's serving certificate (`tls.crt`, `tls.key`) for the Service's DNS
   names. The API server verifies the webhook with the CA: kustomize copies the Secret's `ca.crt` into the
   MutatingWebhookConfiguration's `caBundle` (a `replacements` entry in k8s/kustomization.yaml). A cluster with
-  cert-manager can use its CA injector instead (README, "Kubernetes").
+  cert-manager can use its CA injector instead (docs/kubernetes.md).
 - `sidecar-ca/`: the CA the sidecars sign model hosts with (`tls.crt`, `tls.key`) and what the apps trust
   (`ca-bundle.pem`, `mitmproxy-ca-cert.pem`), made by `forge ca init` (sidecar/ca.py).
 No reward credential: a pod's verifier posts rewards on the sidecar's reward socket (k8s/inject.py).

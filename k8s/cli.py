@@ -104,7 +104,7 @@ def certs_command(out: Path, service: str, namespace: str, force: bool) -> None:
     "tasks_file",
     type=click.Path(path_type=Path, dir_okay=False),
     required=True,
-    help="JSONL, one task per line (README: 'Kubernetes').",
+    help="JSONL, one task per line (docs/kubernetes.md).",
 )
 @click.option("--backend", type=click.Choice(["k8s", "local"]), default="local", show_default=True)
 @click.option("-G", "--group-size", type=int, default=1, show_default=True, help="Rollouts per task (GRPO's G).")

@@ -7,7 +7,7 @@ COPY requirements/main.txt /opt/openforge/requirements.txt
 RUN pip install --no-cache-dir "$(grep '^torch==' /opt/openforge/requirements.txt)" \
  && grep -v '^torch==' /opt/openforge/requirements.txt > /tmp/rest.txt \
  && pip install --no-cache-dir --no-deps -r /tmp/rest.txt && rm /tmp/rest.txt
-COPY pyproject.toml README.md /opt/openforge/src/
+COPY pyproject.toml README.md LICENSE /opt/openforge/src/
 COPY forge /opt/openforge/src/forge
 COPY sidecar /opt/openforge/src/sidecar
 COPY collector /opt/openforge/src/collector
