@@ -10,7 +10,8 @@ One round, top to bottom (``Trainer.step``):
      ``--correction decoupled``, the trainer's recomputed ones plus veRL's rollout-correction IS weights
      (``rollout_corr_helper``) against the behaviour logprobs. Unknown (NaN) behaviour logprobs take the
      trainer's recomputed value either way.
-  4. update — ``PolicyEngine.update`` (veRL's TrainingWorker + ppo_loss).
+  4. update — ``PolicyEngine.update`` (veRL's TrainingWorker + ppo_loss; ``--prefix-packing``: the token prefixes
+     that rows share computed once per micro-batch, ``trainer.packing``).
   5. publish v+1 — checkpoint, load, cache reset, version, probe verification (``trainer.publish``).
   6. commit — the engine's checkpoint (weights, optimizer) and ``state.json`` (step, version, trained episode ids),
      written after the publish landed; a crash before the commit replays the step from the last commit, so the

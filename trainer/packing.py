@@ -181,7 +181,8 @@ def packed_forward_step(engine: Any, micro_batch: Any, loss_function: Callable |
     device = micro_batch["input_ids"].values().device
     attn = _attention_implementation(engine.module)
     dtype = getattr(engine, "_autocast_dtype", torch.float32)
-    mask = packed.attention_mask(None if attn == "sdpa" else dtype).to(device)
+    # One row: its own causal attention (the model's fused causal kernel, no L × L mask for a long segment)
+    mask = packed.attention_mask(None if attn == "sdpa" else dtype).to(device) if len(rows) > 1 else None
     autocast: Any = nullcontext() if dtype == torch.float32 else torch.autocast(device_type=device.type, dtype=dtype)
     with autocast:
         output = engine.module(input_ids=packed.input_ids[None].to(device), attention_mask=mask,

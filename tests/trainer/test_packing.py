@@ -12,7 +12,7 @@ from trainer.batch import Row, padded
 from trainer.packing import pack, plan
 
 # fp32: the packed forward runs other matmul shapes than the plain one, so sums round differently. Measured on the
-# rows below: every gradient within 2.5e-5 of the largest gradient, losses and the gradient norm to 6e-6 (relative),
+# rows below: every gradient within 7e-5 of the largest gradient, losses and the gradient norm to 2e-5 (relative),
 # logprobs and the PPO KL (a mean of logprob differences) to 4e-5 nat.
 GRAD_TOLERANCE = 1e-4  # max |Δ grad| / max |grad|
 LOSS_TOLERANCE = 1e-4  # relative: pg_loss, entropy_loss, grad_norm
@@ -154,7 +154,7 @@ def differences(engine, rows: list[Row]) -> dict[str, float]:
     packed, packed_grads, packed_lp = update(engine, rows, packing=True)
     assert packed["packing/micro_batches_packed"] >= 1 and packed["packing/micro_batches_plain"] == 0
     assert plain["packing/micro_batches_packed"] == 0
-    assert packed["packing/tokens_computed"] < plain["packing/tokens_computed"]
+    assert packed["packing/tokens_computed"] <= plain["packing/tokens_computed"]  # less where rows share a prefix
     assert plain_grads.keys() == packed_grads.keys() and len(plain_grads) > 100
     scale = max(float(g.abs().max()) for g in plain_grads.values())
     out = {"grad": max(float((plain_grads[n] - packed_grads[n]).abs().max()) for n in plain_grads) / scale,
@@ -166,10 +166,13 @@ def differences(engine, rows: list[Row]) -> dict[str, float]:
     return out
 
 
-@pytest.mark.parametrize("batch", ["demo", "forked"])
-def test_a_packed_update_equals_the_plain_one(engine, tokenizer, batch):
-    rows = demo_rows(tokenizer) if batch == "demo" else forked_rows(tokenizer)
+@pytest.mark.parametrize("batch", ["demo", "forked", "demo, a micro-batch per row"])
+def test_a_packed_update_equals_the_plain_one(engine, tokenizer, monkeypatch, batch):
+    rows = demo_rows(tokenizer) if batch.startswith("demo") else forked_rows(tokenizer)
+    if batch.endswith("per row"):  # the budget is raised to the longest row: one row per micro-batch
+        monkeypatch.setattr(engine.settings, "max_token_len", 1)
     diff = differences(engine, rows)
+    print(batch, diff)
     assert diff["grad"] <= GRAD_TOLERANCE, diff
     assert diff["logprob"] <= LOGPROB_TOLERANCE and diff["actor/ppo_kl"] <= LOGPROB_TOLERANCE, diff
     for key in ("actor/pg_loss", "actor/entropy_loss", "grad_norm"):
