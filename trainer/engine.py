@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from trainer import cpu_platform
+from trainer import cpu_platform, packing
 
 cpu_platform.enable()
 
@@ -43,6 +43,9 @@ class EngineSettings:
     # Passes over a step's batch (veRL's ppo_epochs), each an optimizer step: the first on-policy, the next ones
     # off it by the previous passes' updates (the PPO clip bounds how far).
     epochs: int = 1
+    # Rows sharing a token prefix computed once per micro-batch (trainer.packing); veRL's own path where the model's
+    # attention takes no 4-D mask.
+    prefix_packing: bool = False
 
 
 def init_distributed() -> None:
@@ -185,10 +188,12 @@ class PolicyEngine:
         self.worker.reset()
         self.worker.set_loss_fn(partial(ppo_loss, config=self.actor_config))
         self.frozen_tied_embedding = freeze_tied_embedding(self.worker, settings)
+        packing.install(self.worker.engine)
         self.reference: Any = None
         if settings.kl_coef > 0 and not settings.lora_rank:
             self.reference = TrainingWorker(worker_config(settings)[0])
             self.reference.reset()
+            packing.install(self.reference.engine)
 
     def log_probs(self, tensors: dict[str, torch.Tensor], reference: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """The current (or the reference) weights' logprobs and entropies of each response token, padded like
@@ -198,8 +203,9 @@ class PolicyEngine:
 
         meta = {"no_lora_adapter": True} if reference and self.settings.lora_rank else {}
         data = to_engine_input(
-            tensors, self.settings.max_token_len, compute_loss=False, calculate_entropy=not reference, **meta
-        )
+            tensors, self.settings.max_token_len, compute_loss=False, calculate_entropy=not reference,
+            prefix_packing=self.settings.prefix_packing, **meta,
+        )  # fmt: skip
         worker = self.reference if reference and self.reference is not None else self.worker
         output = worker.infer_batch(data)
         log_probs = no_padding_2_padding(tu.get(output, "log_probs"), data).float()
@@ -215,10 +221,11 @@ class PolicyEngine:
         data = to_engine_input(
             tensors, self.settings.max_token_len, compute_loss=True, calculate_entropy=True, global_batch_size=n,
             mini_batch_size=n, epochs=self.settings.epochs, seed=self.settings.seed,
-            dataloader_kwargs={"shuffle": False},
+            dataloader_kwargs={"shuffle": False}, prefix_packing=self.settings.prefix_packing,
         )  # fmt: skip
+        packing.take_stats(self.worker.engine)
         output = self.worker.train_mini_batch(data)
-        return dict(tu.get(output, "metrics"))
+        return {**tu.get(output, "metrics"), **packing.take_stats(self.worker.engine).as_metrics()}
 
     def weights(self) -> tuple[Iterator[tuple[str, torch.Tensor]], Any]:
         """The full weights (names as in the HF checkpoint), or the LoRA adapter's and its peft config."""

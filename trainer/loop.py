@@ -10,7 +10,8 @@ One round, top to bottom (``Trainer.step``):
      ``--correction decoupled``, the trainer's recomputed ones plus veRL's rollout-correction IS weights
      (``rollout_corr_helper``) against the behaviour logprobs. Unknown (NaN) behaviour logprobs take the
      trainer's recomputed value either way.
-  4. update — ``PolicyEngine.update`` (veRL's TrainingWorker + ppo_loss).
+  4. update — ``PolicyEngine.update`` (veRL's TrainingWorker + ppo_loss; ``--prefix-packing``: the token prefixes
+     that rows share computed once per micro-batch, ``trainer.packing``).
   5. publish v+1 — checkpoint, load, cache reset, version, probe verification (``trainer.publish``).
   6. commit — the engine's checkpoint (weights, optimizer) and ``state.json`` (step, version, trained episode ids),
      written after the publish landed; a crash before the commit replays the step from the last commit, so the
@@ -108,6 +109,9 @@ class TrainSettings:
     max_token_len: int | None = None  # tokens per micro-batch (veRL's dynamic batch size); None: the engine's
     gradient_checkpointing: bool = False  # less memory per micro-batch, ~1.3x the compute (trainer.engine)
     epochs: int = 1  # optimizer steps over each step's batch (veRL's ppo_epochs; the PPO clip bounds the later ones)
+    # Rows sharing a token prefix computed once per micro-batch (trainer.packing: the same loss and gradients; one
+    # process only: --workers > 1 runs veRL's own path)
+    prefix_packing: bool = False
     seed: int = 1  # the engine's (LoRA's initial A matrix, dropout); the policy server's sampling is its own
 
 
@@ -246,7 +250,7 @@ class Trainer:
             engine_settings = EngineSettings(model_dir=self.model_dir, lora_rank=s.lora_rank, lr=s.lr,
                                              loss_mode=s.loss_mode, kl_coef=s.kl_coef, kl_type=s.kl_type,
                                              gradient_checkpointing=s.gradient_checkpointing, epochs=s.epochs,
-                                             seed=s.seed)  # fmt: skip
+                                             seed=s.seed, prefix_packing=s.prefix_packing)  # fmt: skip
             if s.max_token_len:
                 engine_settings.max_token_len = s.max_token_len
             if s.workers > 1:
@@ -345,6 +349,8 @@ class Trainer:
             "tokens_per_s": tokens / update_s if update_s else 0.0,
             "publish_s": sum(published.seconds.values()), **{f"publish_{k}_s": v for k, v in published.seconds.items()},
             "probe_diff": published.probe_diff, "probe_diff_old": published.probe_diff_old,
+            # What went through the model (trainer.packing): tokens, and positions whose logits were computed
+            **{k.split("/")[1]: v for k, v in update.items() if k.startswith("packing/")},
         })  # fmt: skip
         if s.kl_coef > 0:  # veRL's ppo_loss reports it as "kl_loss" (no "actor/" prefix)
             metrics["kl_ref"] = _first(update, "kl_loss")
