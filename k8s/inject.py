@@ -363,7 +363,9 @@ def _app_container_operations(
     if is_verifier:
         added.append(_env_value("FORGE_REWARD_SOCKET", REWARD_SOCKET))
         added.append(_env_value("FORGE_SIDECAR_UID", str(settings.proxy_uid)))  # who must be listening on it
-        mounts.append({"name": REWARD_VOLUME, "mountPath": REWARD_DIR})
+        # Read-only: connect() works on a socket there, while the verifier's code (65534; the emptyDir is mode
+        # 0777) can neither remove nor replace it.
+        mounts.append({"name": REWARD_VOLUME, "mountPath": REWARD_DIR, "readOnly": True})
     return (
         _add_all((*path, "env"), container.get("env"), [e for e in added if e["name"] not in own])
         + _add_all((*path, "volumeMounts"), container.get("volumeMounts"), mounts)

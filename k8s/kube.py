@@ -84,7 +84,9 @@ def job_manifest(attempt: Attempt, settings: KubernetesSettings) -> dict[str, An
         # Root, so `forge verify` can read the reward token first and then run the task's verifier (which reads
         # agent-written files) as uid 65534, which cannot read it; the image's own user (1337, the sidecar's) would
         # keep the token readable to the verifier and its traffic outside the redirect.
-        "securityContext": {"runAsUser": 0, "runAsGroup": 0},
+        # No privilege escalation: root's setuid() to 65534 still works (CAP_SETUID); a setuid or file-capability
+        # program in the verifier's image no longer takes 65534 back to root (whose rewards the sidecar takes).
+        "securityContext": {"runAsUser": 0, "runAsGroup": 0, "allowPrivilegeEscalation": False},
     }  # fmt: skip
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",

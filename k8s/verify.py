@@ -15,6 +15,7 @@ import json
 import math
 import os
 import socket
+import stat
 import subprocess
 import tempfile
 import urllib.error
@@ -58,11 +59,36 @@ def verdict_from(exit_code: int, written: str | None) -> Verdict:
     if isinstance(found, dict):
         parts = found.get("components")
         if isinstance(parts, dict):
-            components = {str(k): float(v) for k, v in parts.items() if isinstance(v, int | float)}
+            components = {str(k): float(v) for k, v in parts.items() if _finite(v)}
         found = found.get("reward")
-    if isinstance(found, int | float) and not isinstance(found, bool) and math.isfinite(found):
+    if _finite(found):
         return Verdict(float(found), components, 0, "reward written by the verifier")
     return Verdict(1.0, {}, 0, "verifier exited 0")
+
+
+def _finite(value: Any) -> bool:
+    """A number a float holds finitely (an int of 400 digits overflows: not one; neither is a bool)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False
+
+
+def read_verdict(path: Path) -> str | None:
+    """At most MAX_VERDICT_BYTES of the verdict file, if it is a regular file: never through a link (it could point
+    at what root may read), never blocking (a FIFO), never the whole of a huge sparse file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        return os.read(fd, MAX_VERDICT_BYTES).decode(errors="replace")
+    finally:
+        os.close(fd)
 
 
 def run_verifier(
@@ -70,7 +96,8 @@ def run_verifier(
 ) -> Verdict:
     """Run the verifier in ``cwd`` (as ``uid`` when given); its verdict is what it writes to ``$FORGE_VERDICT_FILE``,
     a fresh file outside the workspace, never its stdout (it runs agent-written code, which prints what it likes)."""
-    with tempfile.TemporaryDirectory(prefix="forge-verdict-") as folder:
+    # A process the verifier left could keep writing into the folder: its cleanup must not fail the verdict.
+    with tempfile.TemporaryDirectory(prefix="forge-verdict-", ignore_cleanup_errors=True) as folder:
         verdict_file = Path(folder) / "verdict.json"
         if uid is not None:
             os.chown(folder, uid, uid)
@@ -83,8 +110,7 @@ def run_verifier(
             return Verdict(0.0, {}, -1, f"verifier timed out after {timeout_s:.0f} s")
         except OSError as error:
             return Verdict(0.0, {}, -1, f"verifier could not start: {error.strerror}")
-        mine = verdict_file.is_file() and not verdict_file.is_symlink()  # a link could point at what root may read
-        written = verdict_file.read_text(errors="replace")[:MAX_VERDICT_BYTES] if mine else None
+        written = read_verdict(verdict_file)
     return verdict_from(done.returncode, written)
 
 

@@ -105,3 +105,20 @@ def test_the_verdict_comes_from_the_verdict_file_outside_the_workspace_not_stdou
     verdict = run_verifier(("sh", "-c", script), workspace, {"PATH": "/usr/bin:/bin"}, 30)
     assert (verdict.reward, verdict.components, verdict.exit_code) == (0.25, {"tests": 0.25}, 0)
     assert run_verifier(("sh", "-c", "echo 0.0"), workspace, {"PATH": "/usr/bin:/bin"}, 30).reward == 1.0
+
+
+def test_an_odd_verdict_never_crashes_forge_verify(tmp_path):
+    """A crash of forge verify after the verifier ran is an infrastructure failure, retried: agent-written code in
+    the verifier could turn its failures into fresh attempts. An int of 400 digits raised OverflowError before; a
+    FIFO in place of the verdict file blocked the read; a link is not followed."""
+    huge = "1" + "0" * 400
+    assert verdict_from(0, f'{{"reward": {huge}}}').detail == "verifier exited 0"
+    assert verdict_from(0, f'{{"reward": 0.5, "components": {{"a": {huge}, "b": 1e999, "c": 1}}}}').components == {
+        "c": 1.0
+    }
+    fifo = 'mkfifo "$FORGE_VERDICT_FILE"'
+    verdict = run_verifier(("sh", "-c", fifo), tmp_path, {"PATH": "/usr/bin:/bin"}, 30)
+    assert verdict.reward == 1.0 and verdict.detail == "verifier exited 0"
+    (tmp_path / "secret").write_text("0.25")
+    link = f'ln -s {tmp_path / "secret"} "$FORGE_VERDICT_FILE"'
+    assert run_verifier(("sh", "-c", link), tmp_path, {"PATH": "/usr/bin:/bin"}, 30).detail == "verifier exited 0"
