@@ -16,8 +16,9 @@ never with a NaN, and they are counted in every step's metrics (``tokens_unknown
 Advantages are computed per episode (one reward, one score) by veRL's estimator registry, the collector's
 ``group_id`` as the group index, then broadcast to every segment of the episode. Every episode with a reward counts
 in its group's baseline, also one whose segments are all left out and one the trainer does not select (an error
-call, a call of unknown weights: ``baseline_mates``): an agent cannot move its siblings' baseline, nor escape the
-negative advantage of a failure, by making its own episode untrainable. A group whose rewards are all equal
+call, a call of unknown weights: ``baseline_mates``, each counted once): an agent cannot move its siblings'
+baseline, nor take its failure out of it, by making its own episode untrainable (the untrainable episode itself
+still gets no update). A group whose rewards are all equal
 teaches nothing (every advantage 0) and is left out of the update, counted (``zero_variance_group``), rather than
 diluting the token mean.
 """
@@ -161,11 +162,14 @@ def rows_from_segments(segments: pa.Table, baseline: dict[str, tuple[str, float]
     return batch
 
 
-def baseline_mates(episodes: pa.Table, chosen: list[str]) -> dict[str, tuple[str, float]]:
+def baseline_mates(
+    episodes: pa.Table, chosen: list[str], exclude: set[str] | frozenset[str] = frozenset()
+) -> dict[str, tuple[str, float]]:
     """The episodes that count in the baselines of the chosen episodes' groups without being chosen: every finished
     episode with a finite reward in such a group, whatever its status (an error call, weights unknown), and one
     whose calls' weights are all unknown (its group id then has no version) when exactly one chosen group is of its
-    run and task. Maps each to (the chosen group, its reward)."""
+    run and task. Maps each to (the chosen group, its reward). ``exclude``: episodes consumed already (a mate is
+    consumed with the step that counts it, so it counts in one baseline only)."""
     rows = episodes.select(["episode_id", "group_id", "run_id", "task_id", "status", "reward",
                             "policy_version_min"]).to_pylist()  # fmt: skip
     picked = set(chosen)
@@ -178,7 +182,7 @@ def baseline_mates(episodes: pa.Table, chosen: list[str]) -> dict[str, tuple[str
                 by_task[(r["run_id"], r["task_id"])].append(r["group_id"])
     mates: dict[str, tuple[str, float]] = {}
     for r in rows:
-        if r["episode_id"] in picked or r["status"] == "unfinished":
+        if r["episode_id"] in picked or r["episode_id"] in exclude or r["status"] == "unfinished":
             continue
         if r["reward"] is None or not math.isfinite(r["reward"]):
             continue

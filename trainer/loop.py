@@ -316,7 +316,7 @@ class Trainer:
         # With a KL term a flat group still has a gradient (towards the reference): then it stays.
         flat_groups = batch.leave_out_flat_groups() if s.kl_coef == 0 else 0
         if not batch.rows:  # consumed all the same: they never become trainable, nor are they waited for again
-            self.skip(episode_ids + aged)
+            self.skip(episode_ids + aged + sorted(mates))
             raise NothingToLearn(
                 f"the {len(episode_ids)} episodes of v{version} hold nothing to learn from: "
                 + counted(batch.skipped, "segments")
@@ -332,7 +332,7 @@ class Trainer:
         update = self.engine.update(tensors)
         update_s = time.perf_counter() - started
         published = self.publish(version + 1)
-        self.commit(episode_ids, aged, version + 1)
+        self.commit(episode_ids, aged + sorted(mates), version + 1)  # a mate counts in one baseline only
         rewards = torch.tensor([reward for _, reward in batch.episodes.values()])
         advantages = torch.tensor([advantage[e] for e in batch.episode_ids])  # the episodes trained
         metrics.update({
@@ -392,7 +392,7 @@ class Trainer:
         segments = segments.filter(pc.is_in(segments["episode_id"], pa.array(chosen, pa.string())))
         ep = collection.episodes.filter(pc.is_in(collection.episodes["episode_id"], pa.array(chosen, pa.string())))
         ages = [version - (parse_version(v) or 0) for v in ep["policy_version_min"].to_pylist()]
-        return segments, chosen, aged, ages, baseline_mates(collection.episodes, chosen)
+        return segments, chosen, aged, ages, baseline_mates(collection.episodes, chosen, exclude)
 
     # ---- publish and commit ----------------------------------------------------------------------------------
     def publish(self, version: int) -> PublishResult:

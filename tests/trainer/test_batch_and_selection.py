@@ -203,6 +203,19 @@ def test_an_episode_the_trainer_does_not_select_still_counts_in_its_groups_basel
     advantage = episode_advantages(batch.episodes, "grpo")
     # GRPO over (1, 0, 0, 0): mean 1/4, sd (unbiased) 1/2
     assert advantage["a"] == pytest.approx(1.5, abs=1e-4) and advantage["b"] == pytest.approx(-0.5, abs=1e-4)
+    # Consumed with the step that counted them (as Trainer.step does): "hid" would otherwise join every later group
+    # of its run and task.
+    later = []
+    for n, episode_id in enumerate(["c", "d"]):
+        episode = SyntheticEpisode(episode_id, task_id="t", run_id="r", policy_version="1")
+        episode.call(list(range(300 + n, 310 + n)), [4000 + n, 4001])
+        later += episode.rows
+    write_calls(str(tmp_path), later, name="calls-1", run="r")
+    write_rewards(str(tmp_path), [{"episode_id": "c", "reward": 1.0}, {"episode_id": "d", "reward": 0.0}],
+                  name="rewards-1", run="r")  # fmt: skip
+    trainer.state = TrainState(version=1, trained=chosen, skipped=sorted(mates))
+    _, chosen, _, _, mates = trainer.wait_for_episodes(every_ready=True)
+    assert sorted(chosen) == ["c", "d"] and mates == {}
 
 
 def test_a_segment_sampled_otherwise_than_at_a_plain_temperature_is_left_out_counted():
