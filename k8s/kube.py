@@ -81,9 +81,9 @@ def job_manifest(attempt: Attempt, settings: KubernetesSettings) -> dict[str, An
         "command": ["forge", "verify", "--timeout-s", str(int(task.timeout_s)), "--", *task.verifier],
         "env": [dict(e) for e in env], "volumeMounts": [dict(m) for m in workspace],
         "terminationMessagePolicy": "File",
-        # Root, so `forge verify` can read the reward token first and then run the task's verifier (which reads
-        # agent-written files) as uid 65534, which cannot read it; the image's own user (1337, the sidecar's) would
-        # keep the token readable to the verifier and its traffic outside the redirect.
+        # Root, so `forge verify` can post on the sidecar's reward socket (it takes rewards from root only) and run
+        # the task's verifier (which reads agent-written files) as uid 65534, which cannot; the image's own user
+        # (1337, the sidecar's) would also pass the socket's check and put the verifier's traffic outside the redirect.
         # No privilege escalation: root's setuid() to 65534 still works (CAP_SETUID); a setuid or file-capability
         # program in the verifier's image no longer takes 65534 back to root (whose rewards the sidecar takes).
         "securityContext": {"runAsUser": 0, "runAsGroup": 0, "allowPrivilegeEscalation": False},

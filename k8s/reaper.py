@@ -64,10 +64,8 @@ def reap_all(timeout_s: float = 10.0) -> int:
 def run(command: list[str]) -> int:
     make_subreaper()
     child = subprocess.Popen(command)
-    stopping: list[int] = []
 
-    def stop(signum: int, _frame: object) -> None:
-        stopping.append(signum)
+    def stop(_signum: int, _frame: object) -> None:
         with contextlib.suppress(ProcessLookupError):
             child.kill()
 

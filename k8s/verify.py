@@ -121,10 +121,15 @@ def read_token(token_file: Path) -> str:
         raise ForgeError(f"cannot read the reward token {token_file}: {error.strerror}") from error
 
 
+def reward_body(episode_id: str, verdict: Verdict) -> str:
+    """What `forge verify` posts to the sidecar, on the socket or over TCP."""
+    return json.dumps({"episode_id": episode_id, "reward": verdict.reward, "components": verdict.components,
+                       "source": "verifier"})  # fmt: skip
+
+
 def post_reward(admin_url: str, token: str | None, episode_id: str, verdict: Verdict) -> None:
     """POST the reward to the sidecar's admin endpoint, with the bearer token when one is given."""
-    body = json.dumps({"episode_id": episode_id, "reward": verdict.reward, "components": verdict.components,
-                       "source": "verifier"}).encode()  # fmt: skip
+    body = reward_body(episode_id, verdict).encode()
     request = urllib.request.Request(f"{admin_url.rstrip('/')}/reward", data=body, method="POST")
     request.add_header("content-type", "application/json")
     if token is not None:
@@ -166,8 +171,7 @@ class _UnixConnection(http.client.HTTPConnection):
 
 def post_reward_socket(path: str, server_uid: int | None, episode_id: str, verdict: Verdict) -> None:
     """POST the reward on the sidecar's reward socket (no token: the sidecar checks this process's uid)."""
-    body = json.dumps({"episode_id": episode_id, "reward": verdict.reward, "components": verdict.components,
-                       "source": "verifier"})  # fmt: skip
+    body = reward_body(episode_id, verdict)
     connection = _UnixConnection(path, server_uid, timeout=10)
     try:
         connection.request("POST", "/reward", body, {"content-type": "application/json"})

@@ -217,8 +217,9 @@ class AdminServer:
                     self.reply(400, {"error": str(error)})
                     return
                 if episode is not None and row["episode_id"] != episode:
-                    metrics.inc('reward_refused_total{reason="other_episode"}')
-                    self.reply(403, {"error": f"this sidecar takes rewards for its pod's episode ({episode}) only"})
+                    self.refuse(
+                        "other_episode", 403, f"this sidecar takes rewards for its pod's episode ({episode}) only"
+                    )
                     return
                 if writer.append("rewards", row) is None:
                     self.reply(503, {"error": "the write-ahead log is full; reward not recorded"})

@@ -18,9 +18,8 @@ Advantages are computed per episode (one reward, one score) by veRL's estimator 
 in its group's baseline, also one whose segments are all left out and one the trainer does not select (an error
 call, a call of unknown weights: ``baseline_mates``, each counted once): an agent cannot move its siblings'
 baseline, nor take its failure out of it, by making its own episode untrainable (the untrainable episode itself
-still gets no update). A group whose rewards are all equal
-teaches nothing (every advantage 0) and is left out of the update, counted (``zero_variance_group``), rather than
-diluting the token mean.
+still gets no update). A group whose rewards are all equal teaches nothing (every advantage 0) and is left out of
+the update, counted (``zero_variance_group``), rather than diluting the token mean.
 """
 
 import math
@@ -174,12 +173,10 @@ def baseline_mates(
                             "policy_version_min"]).to_pylist()  # fmt: skip
     picked = set(chosen)
     groups = {r["group_id"] for r in rows if r["episode_id"] in picked}
-    by_task: dict[tuple[str, str], list[str]] = {}
+    by_task: dict[tuple[str, str], set[str]] = {}
     for r in rows:
         if r["episode_id"] in picked and r["task_id"]:
-            by_task.setdefault((r["run_id"], r["task_id"]), [])
-            if r["group_id"] not in by_task[(r["run_id"], r["task_id"])]:
-                by_task[(r["run_id"], r["task_id"])].append(r["group_id"])
+            by_task.setdefault((r["run_id"], r["task_id"]), set()).add(r["group_id"])
     mates: dict[str, tuple[str, float]] = {}
     for r in rows:
         if r["episode_id"] in picked or r["episode_id"] in exclude or r["status"] == "unfinished":
@@ -188,8 +185,8 @@ def baseline_mates(
             continue
         group = r["group_id"] if r["group_id"] in groups else None
         if group is None and r["policy_version_min"] is None:
-            candidates = by_task.get((r["run_id"], r["task_id"]), [])
-            group = candidates[0] if len(candidates) == 1 else None
+            candidates = by_task.get((r["run_id"], r["task_id"]), set())
+            group = next(iter(candidates)) if len(candidates) == 1 else None
         if group is not None:
             mates[r["episode_id"]] = (group, float(r["reward"]))
     return mates

@@ -138,15 +138,13 @@ def fake_admin() -> Iterator[tuple[str, list[tuple[str | None, dict]]]]:
         server.server_close()
 
 
-def verify_in_workspace(image_src: Path, tmp_path: Path, admin_url: str, script: str) -> subprocess.CompletedProcess:
-    """`forge verify -- sh -c SCRIPT` in a workspace any uid may enter (a pod's emptyDir), the token in tmp_path."""
-    (tmp_path / "token").write_text("s3cret-token\n")
-    (tmp_path / "token").chmod(0o600)
+def run_verify(image_src: Path, tmp_path: Path, env: dict[str, str], script: str) -> subprocess.CompletedProcess:
+    """`forge verify -- sh -c SCRIPT` (episode run.add.0, with ``env``) in a workspace any uid may enter (a pod's
+    emptyDir) holding answer.txt."""
     workspace = Path(tempfile.mkdtemp(prefix="forge-workspace-"))
     workspace.chmod(0o755)
     (workspace / "answer.txt").write_text("5")
-    env = {"FORGE_ADMIN_URL": admin_url, "FORGE_EPISODE_ID": "run.add.0",
-           "FORGE_REWARD_TOKEN_FILE": str(tmp_path / "token")}  # fmt: skip
+    env = {"FORGE_EPISODE_ID": "run.add.0", **env}
     try:
         return subprocess.run(
             [str(SIDECAR_PYTHON), "-m", "k8s.pod", "verify", "--termination-log", str(tmp_path / "termination-log"),
@@ -212,20 +210,18 @@ def fake_reward_socket() -> Iterator[tuple[Path, list[tuple[int, dict]]]]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def verify_in_workspace(image_src: Path, tmp_path: Path, admin_url: str, script: str) -> subprocess.CompletedProcess:
+    """`forge verify` posting to ``admin_url`` with the token in tmp_path."""
+    (tmp_path / "token").write_text("s3cret-token\n")
+    (tmp_path / "token").chmod(0o600)
+    env = {"FORGE_ADMIN_URL": admin_url, "FORGE_REWARD_TOKEN_FILE": str(tmp_path / "token")}
+    return run_verify(image_src, tmp_path, env, script)
+
+
 def verify_with_socket(image_src: Path, tmp_path: Path, sock: Path, script: str) -> subprocess.CompletedProcess:
-    """`forge verify -- sh -c SCRIPT` as the injected verifier container runs it (root, the socket's variables)."""
-    workspace = Path(tempfile.mkdtemp(prefix="forge-workspace-"))
-    workspace.chmod(0o755)
-    env = {"FORGE_EPISODE_ID": "run.add.0", "FORGE_REWARD_SOCKET": str(sock), "FORGE_SIDECAR_UID": "0"}
-    try:
-        return subprocess.run(
-            [str(SIDECAR_PYTHON), "-m", "k8s.pod", "verify", "--termination-log", str(tmp_path / "termination-log"),
-             "--", "sh", "-c", script],
-            capture_output=True, text=True, timeout=60, cwd=workspace,
-            env={"PYTHONPATH": str(image_src), "PATH": "/usr/bin:/bin", **env},
-        )  # fmt: skip
-    finally:
-        shutil.rmtree(workspace)
+    """`forge verify` as the injected verifier container runs it (root, the socket's variables)."""
+    env = {"FORGE_REWARD_SOCKET": str(sock), "FORGE_SIDECAR_UID": "0"}
+    return run_verify(image_src, tmp_path, env, script)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="forge verify runs the verifier as another uid only as root")

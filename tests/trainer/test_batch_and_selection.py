@@ -35,6 +35,15 @@ def collected(path: Path) -> pa.Table:
     return Collector(str(path), progress=False).update()
 
 
+def waiting_trainer(store: Path, state: TrainState | None = None) -> Trainer:
+    """A trainer with only what its wait for episodes needs (no policy server, no engine)."""
+    trainer = Trainer.__new__(Trainer)
+    trainer.settings = TrainSettings(store=str(store), policy_url="http://127.0.0.1:9", idle_seconds=0.0)
+    trainer.state = state or TrainState()
+    trainer.collector = Collector(str(store), idle_seconds=0.0, progress=False)
+    return trainer
+
+
 def test_a_segment_becomes_one_row_token_exact(tmp_path):
     store = store_of(tmp_path, [("a", "t", "0", 1.0), ("b", "t", "0", 0.0)])
     segments = trainable(collected(store).segments)
@@ -141,10 +150,7 @@ def test_a_trainer_never_selects_an_evaluations_episodes(tmp_path):
         assert waiting["for_evaluation"] == 4
 
     # The trainer's own wait (no policy server needed for it): the training group, never the evaluation's.
-    trainer = Trainer.__new__(Trainer)
-    trainer.settings = TrainSettings(store=str(store), policy_url="http://127.0.0.1:9", idle_seconds=0.0)
-    trainer.state = TrainState()
-    trainer.collector = Collector(str(store), idle_seconds=0.0, progress=False)
+    trainer = waiting_trainer(store)
     _, chosen, _, _, _ = trainer.wait_for_episodes(every_ready=True)
     assert sorted(chosen) == ["train-a", "train-b"]
     trainer.state = TrainState(trained=chosen)  # once trained, only the evaluation's remain: nothing to train on
@@ -191,10 +197,7 @@ def test_an_episode_the_trainer_does_not_select_still_counts_in_its_groups_basel
     write_calls(str(tmp_path), rows, name="calls-0", run="r")
     rewards = {"a": 1.0, "b": 0.0, "broke": 0.0, "hid": 0.0}
     write_rewards(str(tmp_path), [{"episode_id": e, "reward": r} for e, r in rewards.items()], run="r")
-    trainer = Trainer.__new__(Trainer)
-    trainer.settings = TrainSettings(store=str(tmp_path), policy_url="http://127.0.0.1:9", idle_seconds=0.0)
-    trainer.state = TrainState()
-    trainer.collector = Collector(str(tmp_path), idle_seconds=0.0, progress=False)
+    trainer = waiting_trainer(tmp_path)
     segments, chosen, _, _, mates = trainer.wait_for_episodes(every_ready=True)
     assert sorted(chosen) == ["a", "b"]
     assert mates == {"broke": ("r/t/v0", 0.0), "hid": ("r/t/v0", 0.0)}  # "hid" has no version: its run and task
