@@ -45,7 +45,7 @@ class EngineSettings:
     epochs: int = 1
     # Rows sharing a token prefix computed once per micro-batch (trainer.packing); veRL's own path where the model's
     # attention takes no 4-D mask.
-    prefix_packing: bool = False
+    prefix_packing: bool = True
 
 
 def init_distributed() -> None:

@@ -109,9 +109,9 @@ class TrainSettings:
     max_token_len: int | None = None  # tokens per micro-batch (veRL's dynamic batch size); None: the engine's
     gradient_checkpointing: bool = False  # less memory per micro-batch, ~1.3x the compute (trainer.engine)
     epochs: int = 1  # optimizer steps over each step's batch (veRL's ppo_epochs; the PPO clip bounds the later ones)
-    # Rows sharing a token prefix computed once per micro-batch (trainer.packing: the same loss and gradients; one
-    # process only: --workers > 1 runs veRL's own path)
-    prefix_packing: bool = False
+    # Rows sharing a token prefix computed once per micro-batch (trainer.packing: the same loss and gradients; with
+    # --workers each rank packs its own rows); veRL's own path where the model's attention takes no 4-D mask
+    prefix_packing: bool = True
     seed: int = 1  # the engine's (LoRA's initial A matrix, dropout); the policy server's sampling is its own
 
 

@@ -105,6 +105,21 @@ def plan(rows: list[list[int]], budget: int) -> list[list[int]]:
     return batches
 
 
+def split_to(batches: list[list[int]], count: int) -> list[list[int]]:
+    """``batches`` split (the one with most rows in halves, again and again) until there are ``count``: FSDP's
+    ranks must run the same number of forward and backward passes (each all-gathers the weights), as veRL's
+    ``same_micro_num_in_dp`` makes them on its own path. The halves keep their rows' order (shared prefixes
+    stay mostly together)."""
+    batches = [list(b) for b in batches]
+    while len(batches) < count:
+        widest = max(range(len(batches)), key=lambda i: len(batches[i]))
+        rows = batches[widest]
+        if len(rows) < 2:
+            raise ValueError(f"cannot make {count} micro-batches of {sum(map(len, batches))} rows")
+        batches[widest : widest + 1] = [rows[: len(rows) // 2], rows[len(rows) // 2 :]]
+    return batches
+
+
 @dataclass
 class PackingStats:
     """What the packed path computed, per update (``Engine.packing_stats``)."""
@@ -233,12 +248,12 @@ def _attention_implementation(module: Any) -> str | None:
 
 
 def packable(engine: Any) -> str | None:
-    """Why the engine cannot pack (None: it can): a model whose attention takes no 4-D mask, several ranks, ...
-    (checked once per batch)."""
+    """Why the engine cannot pack (None: it can): a model whose attention takes no 4-D mask, a sequence split over
+    ranks (Ulysses) (checked once per batch). Data-parallel ranks pack each their own rows."""
     if _attention_implementation(engine.module) not in MASKED_ATTENTION:
         return "attention_without_4d_mask"
-    if engine.get_data_parallel_size() > 1 or getattr(engine, "ulysses_sequence_parallel_size", 1) > 1:
-        return "several_ranks"
+    if getattr(engine, "ulysses_sequence_parallel_size", 1) > 1:
+        return "sequence_parallel"
     return None
 
 
@@ -258,6 +273,10 @@ def packed_forward_backward_batch(engine: Any, data: Any, loss_function: Callabl
     budget = tu.get_non_tensor_data(data=data, key="max_token_len_per_gpu", default=None)
     rows = [t.tolist() for t in data["input_ids"].unbind()]
     indices = plan(rows, int(budget) if budget else sum(len(r) for r in rows))
+    if engine.get_data_parallel_size() > 1:  # every rank runs the most micro-batches any rank planned
+        count = torch.tensor(len(indices), device=get_device_id())
+        torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX, group=engine.get_data_parallel_group())
+        indices = split_to(indices, int(count))
     tu.assign_non_tensor(data, use_dynamic_bsz=True)  # postprocess restores the rows' order from ``indices``
     outputs = []
     grad = torch.no_grad() if forward_only else nullcontext()

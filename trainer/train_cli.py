@@ -27,7 +27,7 @@ from forge.errors import ForgeError
     help="Optimizer steps over each step's batch (veRL's ppo_epochs; PPO's clip bounds the later ones).",
 )  # fmt: skip
 @click.option(
-    "--prefix-packing/--no-prefix-packing", default=False, show_default=True,
+    "--prefix-packing/--no-prefix-packing", default=True, show_default=True,
     help="Compute the token prefix that rows share (a task's prompt, an episode before a fork) once per micro-batch.",
 )  # fmt: skip
 @click.option("--seed", type=int, default=1, show_default=True, help="The engine's seed (LoRA's initial weights).")

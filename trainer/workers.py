@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from trainer import cpu_platform
+from trainer import cpu_platform, packing
 from trainer.engine import (
     EngineSettings,
     freeze_tied_embedding,
@@ -55,10 +55,32 @@ def _forge_worker_class() -> type:
             return freeze_tied_embedding(self, settings)
 
         @register(dispatch_mode=one_to_all)
+        def install_packing(self) -> None:
+            packing.install(self.engine)
+
+        @register(dispatch_mode=one_to_all)
+        def take_packing_stats(self) -> dict[str, Any]:
+            return packing.take_stats(self.engine).as_metrics()
+
+        @register(dispatch_mode=one_to_all)
         def save_weights(self, folder: str, lora: bool, base_model: str) -> None:
             save_weights(self, Path(folder), lora, Path(base_model))
 
     return ForgeTrainingWorker
+
+
+def summed(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """The ranks' packing metrics added up (counts; ``packing/reasons`` merged)."""
+    out: dict[str, Any] = {}
+    for metrics in per_rank:
+        for key, value in metrics.items():
+            if isinstance(value, dict):
+                merged = out.setdefault(key, {})
+                for reason, n in value.items():
+                    merged[reason] = merged.get(reason, 0) + n
+            else:
+                out[key] = out.get(key, 0) + value
+    return out
 
 
 class RayPolicyEngine:
@@ -91,6 +113,7 @@ class RayPolicyEngine:
         self.group = group  # its methods are bound from the worker class at run time
         self.group.reset()
         self.group.set_loss_fn(partial(ppo_loss, config=self.actor_config))
+        self.group.install_packing()
         self.frozen_tied_embedding = bool(self.group.freeze_tied_embedding(settings)[0])
 
     def _padded(self, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], int]:
@@ -114,8 +137,9 @@ class RayPolicyEngine:
         tensors, n = self._padded(tensors)
         meta = {"no_lora_adapter": True} if reference and self.settings.lora_rank else {}
         data = to_engine_input(
-            tensors, self.settings.max_token_len, compute_loss=False, calculate_entropy=not reference, **meta
-        )
+            tensors, self.settings.max_token_len, compute_loss=False, calculate_entropy=not reference,
+            prefix_packing=self.settings.prefix_packing, **meta,
+        )  # fmt: skip
         output = self.group.infer_batch(data).get()
         log_probs = no_padding_2_padding(tu.get(output, "log_probs"), data).float()
         entropy = tu.get(output, "entropy")
@@ -130,10 +154,11 @@ class RayPolicyEngine:
         data = to_engine_input(
             tensors, self.settings.max_token_len, compute_loss=True, calculate_entropy=True, global_batch_size=n,
             mini_batch_size=n, epochs=self.settings.epochs, seed=self.settings.seed,
-            dataloader_kwargs={"shuffle": False},
+            dataloader_kwargs={"shuffle": False}, prefix_packing=self.settings.prefix_packing,
         )  # fmt: skip
+        self.group.take_packing_stats()
         output = self.group.train_mini_batch(data).get()
-        return dict(tu.get(output, "metrics"))
+        return {**tu.get(output, "metrics"), **summed(self.group.take_packing_stats())}
 
     def save_weights(self, folder: Path) -> None:
         self.group.save_weights(str(folder), bool(self.settings.lora_rank), str(self.settings.model_dir))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from trainer.batch import Row, padded
-from trainer.packing import pack, plan
+from trainer.packing import pack, plan, split_to
 
 # fp32: the packed forward runs other matmul shapes than the plain one, so sums round differently. Measured on the
 # rows below: every gradient within 7e-5 of the largest gradient, losses and the gradient norm to 2e-5 (relative),
@@ -57,6 +57,17 @@ def test_the_plan_keeps_rows_with_a_shared_prefix_together_within_the_budget():
     assert [4] in batches  # 60 tokens sharing nothing: a micro-batch of its own
     assert any(set(b) >= {0, 1, 2, 3} for b in batches)  # 40 shared + 1 + 4 × 1 = 45 tokens: together
     assert plan([[1] * 80], budget=60) == [[0]]  # a row longer than the budget still gets one
+
+
+def test_a_plan_is_split_to_the_count_the_other_ranks_need_and_keeps_every_row_once():
+    batches = [[3, 1, 4, 0], [2], [5, 6]]
+    for count in range(3, 8):
+        split = split_to(batches, count)
+        assert len(split) == count and sorted(i for b in split for i in b) == list(range(7))
+        assert all(b for b in split)
+    assert split_to(batches, 4)[0:2] == [[3, 1], [4, 0]]  # the widest in halves, its rows' order kept
+    with pytest.raises(ValueError, match="cannot make 8 micro-batches of 7 rows"):
+        split_to(batches, 8)
 
 
 # ---- the real model in veRL's engine ---------------------------------------------------------------------------

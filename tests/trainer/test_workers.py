@@ -17,15 +17,22 @@ pytestmark = pytest.mark.integration
 SAME_UPDATE = 2e-4
 
 
-def batch() -> dict[str, torch.Tensor]:
+def batch(shared: bool = False) -> dict[str, torch.Tensor]:
+    """Rows of 48 tokens (16 prompt, 32 trained), four of them; ``shared``: six, the first rank's three (rows 0-2)
+    sharing their first 40 tokens, two of the second rank's (3, 4) another 40. At 64 packed tokens a micro-batch
+    the first rank plans one micro-batch (48 + 8 + 8 tokens) and the second two (56, 48): the ranks must agree on
+    a count (FSDP all-gathers the weights in every pass: a rank that runs fewer leaves the other waiting)."""
     g = torch.Generator().manual_seed(0)
+    heads = [torch.randint(100, 40000, (40,), generator=g).tolist() for _ in range(2)]
     rows = []
-    for i in range(4):
+    for i in range(6 if shared else 4):
         ids = torch.randint(100, 40000, (48,), generator=g).tolist()
+        if shared and i != 5:
+            ids = heads[i // 3] + ids[40:]
         rows.append(Row(f"e{i}", "g", 0, ids[:16], ids[16:], [1] * 32, [0.0] * 32, float(i % 2), 0))
     tensors = padded(rows)
     tensors.pop("rollout_log_probs")
-    tensors["advantages"] = torch.tensor([[1.0], [-1.0], [1.0], [-1.0]]) * tensors["response_mask"]
+    tensors["advantages"] = torch.tensor([[1.0 - 2 * (i % 2)] for i in range(len(rows))]) * tensors["response_mask"]
     return tensors
 
 
@@ -35,27 +42,39 @@ def probe() -> dict[str, torch.Tensor]:
     return padded([row])
 
 
-def one_update(engine) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(probe logprobs before, after one update, the batch's old logprobs) with an lr large enough to move."""
+def one_update(engine, shared: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+    """(probe logprobs before, after one update, the batch's old logprobs, the update's metrics) with an lr large
+    enough to move."""
     before = engine.log_probs(probe())[0][0]
-    tensors = batch()
+    tensors = batch(shared)
     tensors["old_log_probs"] = engine.log_probs(tensors)[0].detach()
-    engine.update(tensors)
-    return before, engine.log_probs(probe())[0][0], tensors["old_log_probs"]
+    metrics = engine.update(tensors)
+    return before, engine.log_probs(probe())[0][0], tensors["old_log_probs"], metrics
 
 
-def test_two_ray_ranks_give_the_same_update_as_one_in_process(prepared_model):
+@pytest.mark.parametrize("packing", [False, True], ids=["plain", "prefix-packed ranks"])
+def test_two_ray_ranks_give_the_same_update_as_one_in_process(prepared_model, packing):
+    """With ``packing`` the two ranks pack their own rows (trainer.packing) and the in-process engine takes veRL's
+    plain path: the same update within the same bound."""
+    from dataclasses import replace
+
     from trainer.engine import EngineSettings, PolicyEngine
     from trainer.workers import RayPolicyEngine
 
-    settings = EngineSettings(model_dir=prepared_model.train_dir, lr=1e-4)
-    ray_engine = RayPolicyEngine(settings, workers=2)  # first, and shut down before this process loads its own
-    try:
+    settings = EngineSettings(
+        model_dir=prepared_model.train_dir, lr=1e-4, max_token_len=64 if packing else 16384, prefix_packing=False
+    )
+    ray_engine = RayPolicyEngine(replace(settings, prefix_packing=packing), workers=2)  # first, and shut down
+    try:  # before this process loads its own
         assert ray_engine.frozen_tied_embedding  # the same rule on every rank
-        before_2, after_2, old_2 = one_update(ray_engine)
+        before_2, after_2, old_2, metrics = one_update(ray_engine, shared=packing)
     finally:
         ray_engine.close()
-    before_1, after_1, old_1 = one_update(PolicyEngine(settings))
+    if packing:  # each rank packed in two passes (the first split its one: [0], [1, 2]); shared tokens computed once
+        print({k: v for k, v in metrics.items() if k.startswith("packing/")})
+        assert metrics["packing/micro_batches_packed"] == 4 and metrics["packing/micro_batches_plain"] == 0
+        assert metrics["packing/tokens_computed"] == 6 * 48 - 2 * 40 and metrics["packing/tokens_in_rows"] == 6 * 48
+    before_1, after_1, old_1, _ = one_update(PolicyEngine(settings), shared=packing)
     moved = (after_1 - before_1).abs().mean().item()
     differ = (after_2 - after_1).abs().max().item()
     mean = (after_2 - after_1).abs().mean().item()
