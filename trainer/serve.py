@@ -10,7 +10,9 @@ cache folder, so stopping it leaves no engine process and no litter behind.
 import contextlib
 import hashlib
 import json
+import math
 import os
+import re
 import shutil
 import signal
 import socket
@@ -32,6 +34,30 @@ from trainer.model import MARKER, MODEL_NAME, prepared_model
 # table on CPU and every later answer has -inf logprobs (measured: one 9k-token Claude Code prompt broke the server).
 NATIVE_CONTEXT = 8192
 MAX_TMPDIR_LEN = 64  # + "/" + a 36-character uuid stays under a Unix socket path's 107 bytes
+
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def kv_cache_bytes_per_token(model: Path, dtype: str) -> int:
+    """Keys and values of one token over every layer, as vLLM caches them (the model's config; ``auto``: its dtype)."""
+    config = json.loads((model / "config.json").read_text())
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    dtype = dtype if dtype != "auto" else str(config.get("dtype") or config.get("torch_dtype") or "bfloat16")
+    return 2 * config["num_hidden_layers"] * config.get("num_key_value_heads", heads) * head_dim * DTYPE_BYTES[dtype]
+
+
+def kv_cache_gb_for(model: Path, dtype: str, max_model_len: int) -> int:
+    """Whole GiB (vLLM's CPU KV cache is set in GiB) holding one request of ``max_model_len`` tokens with room to
+    spare (a quarter more, at least 1 GiB): vLLM refuses to start when one request at the longest length cannot fit."""
+    need = kv_cache_bytes_per_token(model, dtype) * max_model_len
+    return max(1, math.ceil(need * 1.25 / 2**30))
+
+
+# vLLM's refusal when one request at --max-model-len does not fit the KV cache (vllm/v1/core/kv_cache_utils.py)
+_KV_TOO_SMALL = re.compile(r"\(([\d.]+) GiB KV cache is needed, which is larger than the available KV cache memory "
+                           r"\(([\d.]+) GiB\)")  # fmt: skip
 
 
 def default_dtype() -> str:
@@ -95,7 +121,7 @@ class PolicyServer:
     max_model_len: int = 4096
     served_model_name: str | None = None
     extra_args: list[str] = field(default_factory=list)
-    kv_cache_gb: int = 1
+    kv_cache_gb: int | None = None  # CPU KV cache in GiB; None: sized for max_model_len (kv_cache_gb_for)
     enforce_eager: bool = True
     python: Path | None = None
     run_dir: Path | None = None
@@ -155,7 +181,7 @@ class PolicyServer:
         env.update(
             TMPDIR=str(self.tmp_dir),
             VLLM_CACHE_ROOT=str(self.run_dir / "vllm-cache"),
-            VLLM_CPU_KVCACHE_SPACE=str(self.kv_cache_gb),
+            VLLM_CPU_KVCACHE_SPACE=str(self.kv_cache_space),
             VLLM_SERVER_DEV_MODE="1",
             VLLM_ALLOW_RUNTIME_LORA_UPDATING="True",
             VLLM_NO_USAGE_STATS="1",
@@ -190,12 +216,12 @@ class PolicyServer:
             if self.process.poll() is not None:
                 code = self.process.returncode
                 self.stop()
-                raise ForgeError(f"vLLM exited with code {code} while starting; its log:\n{self.log_tail()}")
+                raise self.failure(f"vLLM exited with code {code} while starting")
             if self.ready():
                 return self
             time.sleep(0.5)
         self.stop()
-        raise ForgeError(f"vLLM did not answer within {timeout:.0f} s; its log:\n{self.log_tail()}")
+        raise self.failure(f"vLLM did not answer within {timeout:.0f} s")
 
     def ready(self) -> bool:
         try:
@@ -203,6 +229,25 @@ class PolicyServer:
                 return bool(answer.status == 200 and json.load(answer).get("data"))
         except (OSError, ValueError):
             return False
+
+    @property
+    def kv_cache_space(self) -> int:
+        if self.kv_cache_gb is not None:
+            return self.kv_cache_gb
+        try:
+            return kv_cache_gb_for(self.model, self.dtype, self.max_model_len)
+        except (OSError, ValueError, KeyError, TypeError):  # a config we cannot read: vLLM's own check decides
+            return 1
+
+    def failure(self, what: str) -> ForgeError:
+        """Why the server did not start, in one line where the cause is known, else with its log's last lines."""
+        log = self.log_path.read_text(errors="replace") if self.run_dir and self.log_path.exists() else ""
+        if match := _KV_TOO_SMALL.search(log):
+            need = math.ceil(float(match.group(1)))
+            return ForgeError(f"{what}: one request of --max-model-len {self.max_model_len} needs {match.group(1)} GiB "
+                              f"of KV cache, {match.group(2)} GiB was given: pass --kv-cache-gb {need} or more, or a "
+                              f"smaller --max-model-len (log: {self.log_path})")  # fmt: skip
+        return ForgeError(f"{what}; its log ({self.log_path}) ends:\n{self.log_tail()}")
 
     def log_tail(self, lines: int = 40) -> str:
         if self.run_dir is None or not self.log_path.exists():

@@ -8,7 +8,7 @@ import click
 from forge.errors import ForgeError
 
 
-@click.group("train", invoke_without_command=True)
+@click.group("train", invoke_without_command=True, short_help="Train the policy on complete episodes.")
 @click.option("--store", help="The store: a folder or s3://bucket/prefix (the sidecars' records).")
 @click.option("--policy-url", help="The vLLM policy server, e.g. http://127.0.0.1:8000.")
 @click.option("--run", default="default", show_default=True, help="Run name: checkpoints/<run>/v<n>/ in the store.")
@@ -76,7 +76,7 @@ def train_group(ctx: click.Context, store: str | None, policy_url: str | None, w
     click.echo(f"forge train: {trainer.state.step} steps done; the server serves v{trainer.state.version}", err=True)
 
 
-@train_group.command("plot")
+@train_group.command("plot", short_help="Plot a run's metrics as a PNG.")
 @click.argument("metrics", type=click.Path(path_type=Path, exists=True, dir_okay=False))
 @click.option("--out", type=click.Path(path_type=Path), help="PNG to write (default: beside METRICS).")
 def plot_command(metrics: Path, out: Path | None) -> None:

@@ -8,7 +8,7 @@ import click
 from forge.errors import ForgeError
 
 
-@click.command("demo")
+@click.command("demo", short_help="Train the embedded policy in a real harness.")
 @click.option("--tasks", "n_tasks", type=int, default=8, show_default=True,
               help="How many of the shipped training tasks (forge/demo/tasks/tasks.jsonl) to run.")  # fmt: skip
 @click.option("--tasks-file", type=click.Path(dir_okay=False, exists=True, path_type=Path),

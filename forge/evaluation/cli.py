@@ -7,7 +7,12 @@ import click
 from forge.errors import ForgeError
 
 
-@click.group("eval", invoke_without_command=True, subcommand_metavar="[compare A.json B.json]")
+@click.group(
+    "eval",
+    invoke_without_command=True,
+    subcommand_metavar="[compare A.json B.json]",
+    short_help="Evaluate a policy: pass@k and pass^k.",
+)
 @click.option("--tasks", "tasks_file", type=click.Path(dir_okay=False, path_type=Path),
               help="Task file (JSONL, `forge demo`'s format: forge/demo/tasks/tasks.jsonl). [required]")  # fmt: skip
 @click.option("--samples", type=int, help="Rollouts per task (n). [required]")
@@ -66,7 +71,7 @@ def eval_group(
     evaluate(settings, echo=click.echo)
 
 
-@eval_group.command("compare")
+@eval_group.command("compare", short_help="Is B better than A? Two evaluations compared.")
 @click.argument("a", type=click.Path(dir_okay=False, path_type=Path))
 @click.argument("b", type=click.Path(dir_okay=False, path_type=Path))
 def compare_command(a: Path, b: Path) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.serve import PolicyServer, default_checkpoint, default_dtype, free_port
+from trainer.serve import PolicyServer, default_checkpoint, default_dtype, free_port, kv_cache_gb_for
 
 FORGE = str(Path(sys.executable).parent / "forge")
 
@@ -69,6 +69,28 @@ def test_a_port_in_use_fails_at_once_in_one_line(prepared_model):
     assert result.stderr.count("\n") == 1 and f"port {port}" in result.stderr and "already in use" in result.stderr
 
 
+def test_the_kv_cache_is_sized_for_the_longest_request(prepared_model):
+    # SmolLM2-135M: 30 layers x 3 KV heads x 64 dims, keys and values: 45 KiB a token in fp32, 22.5 KiB in bf16
+    assert kv_cache_gb_for(prepared_model.train_dir, "float32", 4096) == 1
+    assert kv_cache_gb_for(prepared_model.train_dir, "float32", 32768) == 2  # 1.41 GiB: vLLM refuses 1
+    assert kv_cache_gb_for(prepared_model.serve_dir, "auto", 32768) == 1  # the bf16 checkpoint's own dtype
+    assert PolicyServer(model=prepared_model.train_dir, dtype="float32", max_model_len=32768, kv_cache_gb=3,
+                        run_dir=Path("/tmp/r")).environment()["VLLM_CPU_KVCACHE_SPACE"] == "3"  # fmt: skip
+
+
+@pytest.mark.integration
+def test_a_kv_cache_too_small_for_the_max_model_len_is_one_line_saying_what_to_pass(prepared_model):
+    """vLLM's own refusal (a 40-line traceback before) read into one line; the size it says it needs is what the
+    default would have given."""
+    result = run_forge("serve", "--model", str(prepared_model.serve_dir), "--port", str(free_port()),
+                       "--max-model-len", "32768", "--kv-cache-gb", "1", timeout=300)  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "pass --kv-cache-gb 2 or more" in result.stderr, result.stderr
+    needed = float(result.stderr.split(" needs ")[1].split(" GiB")[0])
+    assert 1 < needed <= kv_cache_gb_for(prepared_model.serve_dir, default_dtype(), 32768)
+
+
 def processes() -> list[tuple[int, str, int, int]]:
     """(pid, state, ppid, pgid) of every process, from /proc."""
     found = []
@@ -95,9 +117,10 @@ def group_members(pgid: int) -> list[int]:
 # it cost the suite a minute (issue 25).
 @pytest.mark.parametrize("signum", [signal.SIGTERM], ids=["SIGTERM"])
 def test_serve_prints_its_url_and_stops_cleanly_on_a_signal(prepared_model, signum):
+    """At a 32k context, whose KV cache the old default of 1 GiB could not hold: the default is sized for it."""
     port = free_port()
     process = subprocess.Popen(
-        [FORGE, "serve", "--model", str(prepared_model.serve_dir), "--port", str(port)],
+        [FORGE, "serve", "--model", str(prepared_model.serve_dir), "--port", str(port), "--max-model-len", "32768"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     lines: queue.Queue[str] = queue.Queue()
