@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Protocol
 
+from forge.console import terminal
 from forge.errors import ForgeError
 from k8s.tasks import Task
 from k8s.verify import Verdict, run_verifier, write_reward
@@ -105,7 +106,7 @@ class Progress:
     def __init__(self, total: int, enabled: bool) -> None:
         from tqdm import tqdm
 
-        self.bar = tqdm(total=total, unit="rollout", disable=not enabled, file=sys.stderr, dynamic_ncols=True)
+        self.bar = tqdm(total=total, unit="rollout", disable=not enabled, file=terminal(), dynamic_ncols=True)
         self.ok = self.failed = self.retried = 0
 
     def update(self, result: RolloutResult | None, retried: bool = False) -> None:

@@ -65,6 +65,9 @@ def test_a_short_demo_closes_the_loop(tmp_path: Path, s3_server) -> None:
         capture_output=True, text=True, timeout=1800, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # the libraries' warnings went to the run's log, not between the demo's lines
+    assert "Warning" not in done.stderr and "Warning" not in done.stdout, done.stderr[-3000:]
+    assert "torchtitan engine is not available" in (out / "demo.log").read_text()
     assert not (out / "store").exists()
     printed = done.stdout
     assert "round  policy version  episodes" in printed and "rounds in" in printed

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import click
 
+from forge.console import libraries_to
 from forge.errors import ForgeError
 
 
@@ -66,7 +67,11 @@ def demo_command(
         policy_url=policy_url, progress=progress, epochs=epochs, seed=seed, heldout_samples=heldout_samples,
         tasks_file=tasks_file or TASKS_FILE, heldout_file=heldout_file or HELDOUT_FILE,
     )  # fmt: skip
-    Demo(settings, echo=click.echo).run()
+    settings.out.mkdir(parents=True, exist_ok=True)
+    log = settings.out / "demo.log"
+    click.echo(f"forge demo: the libraries' messages (veRL, torch, Ray, transformers) go to {log}")
+    with libraries_to(log):
+        Demo(settings, echo=click.echo).run()
 
 
 commands: list[click.Command] = [demo_command]
