@@ -18,6 +18,19 @@ real harness sent it, redacted, beside what the policy server receives):
   installation id in ``client_metadata`` and headers (``redact``).
 - mini-swe-agent, smolagents: plain Chat Completions through openai-python; nothing to rewrite.
 - openclaw: tool-call ids rewritten between turns (its prompts fork; the collector reports it).
+- qwen-code: Chat through openai-node with its own user agent; side calls (a memory-extraction subagent) under
+  the same user agent, with another system prompt: conversations of their own (segments of their own).
+- pi: its SDK's user agent on every API (openai-node, anthropic-node): known by its system prompt. Chat:
+  ``store: false``, ``max_completion_tokens``; Responses: ``prompt_cache_key`` and a ``session_id`` header;
+  Messages: ``cache_control`` on the user's text and an ``anthropic-beta`` header.
+- opencode: Chat through the AI SDK's openai-compatible provider, ``max_tokens: 32000`` (``apis.bound_completion``);
+  a title-generation side call with another system prompt.
+- crush: known by its user agent only (``Charm-Crush/<version>``, from its source; its npm package fetches its
+  binary from GitHub at install, which this machine cannot reach: no captured request).
+- openai-agents (the OpenAI Agents SDK, Python): Responses with ``instructions`` and ``include``; ``store`` left to
+  the API's default (true), so a tool loop refers to earlier items by id (``apis.responses``).
+- the Vercel AI SDK (``ai-sdk``, a client known by its SDK): Responses by default (``openai(model)``), Chat with
+  ``openai.chat``, Messages with ``@ai-sdk/anthropic`` (``max_tokens: 4096`` for an unknown model).
 """
 
 import os
@@ -46,9 +59,16 @@ HARNESSES = (
               system=("You are a helpful assistant that can interact with a computer",)),
     Signature("smolagents", user_agents=("smolagents",),
               system=("You are an expert assistant who can solve any task using",)),
+    Signature("qwen-code", user_agents=("qwencode/",), system=("You are Qwen Code",)),
+    Signature("pi", system=("operating inside pi, a coding agent harness",)),
+    Signature("opencode", user_agents=("opencode/",), system=("You are opencode",)),
+    Signature("crush", user_agents=("charm-crush/",)),
+    Signature("openai-agents", user_agents=("agents/python",)),
 )  # fmt: skip
 SDKS = (  # (user-agent fragment, client): a client known only by its SDK
     ("litellm", "litellm"),
+    ("ai-sdk-provider-utils/", "ai-sdk"),  # the Vercel AI SDK 7 (ai/7.x ai-sdk-provider-utils/5.x)
+    ("ai-sdk/provider-utils/", "ai-sdk"),  # earlier AI SDKs, and harnesses built on them that do not say more
     ("openai/python", "openai-python"),
     ("openai/js", "openai-node"),
     ("anthropic/python", "anthropic-python"),

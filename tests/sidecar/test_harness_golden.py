@@ -16,10 +16,10 @@ from typing import Any
 import httpx
 import pytest
 
+from sidecar.apis import api_for
 from sidecar.harness import detect
 from tests.sidecar.conftest import read_calls, wait_for
 
-pytestmark = pytest.mark.integration
 GOLDEN = Path(__file__).parent / "golden"
 CASES = sorted(p.name.removesuffix(".request.json") for p in GOLDEN.glob("*.request.json"))
 
@@ -29,10 +29,20 @@ def received(upstream_request: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_every_case_has_both_files():
-    assert len(CASES) >= 6
+    assert len(CASES) >= 15
     assert {p.name.removesuffix(".upstream.json") for p in GOLDEN.glob("*.upstream.json")} == set(CASES)
 
 
+@pytest.mark.parametrize("case", CASES)
+def test_each_harness_is_known_by_its_own_request(case):
+    """Every captured harness is labelled from its request alone (no operator setting), as its golden says."""
+    sent = json.loads((GOLDEN / f"{case}.request.json").read_text())
+    expected = json.loads((GOLDEN / f"{case}.upstream.json").read_text())["harness"]
+    assert detect(api_for("POST", sent["path"]) or "", sent["headers"], sent["body"], environ={}) == expected
+    assert expected not in ("other", None)
+
+
+@pytest.mark.integration
 def test_the_policy_server_receives_the_golden_request_and_the_record_names_the_harness(start_sidecar, fake_upstream):
     sidecar = start_sidecar(fake_upstream.url, episode_id=None)
     got: dict[str, dict[str, Any]] = {}
