@@ -25,6 +25,8 @@ harnesses:
 	@scripts/harness.sh codex >/dev/null
 	@scripts/harness.sh claude-code >/dev/null
 	@scripts/harness.sh mini-swe-agent >/dev/null
+	@scripts/harness.sh qwen-code >/dev/null
+	@scripts/harness.sh pi >/dev/null
 
 lint: env
 	.venv/bin/ruff check .
@@ -47,4 +49,6 @@ unit: env
 DEMO_ARGS ?=
 demo: model
 	@scripts/harness.sh mini-swe-agent >/dev/null
+	@scripts/harness.sh qwen-code >/dev/null
+	@scripts/harness.sh pi >/dev/null
 	@HF_HUB_OFFLINE=1 $(FORGE) demo $(DEMO_ARGS)

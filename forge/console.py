@@ -7,32 +7,42 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TextIO
 
-_terminal: TextIO | None = None
+_terminal: dict[int, TextIO] = {}
 
 
 def terminal() -> TextIO:
     """The stream for progress bars: the terminal's stderr, also while ``libraries_to`` is in effect."""
-    return _terminal or sys.stderr
+    return _terminal.get(2, sys.stderr)
+
+
+def echo(message: str = "") -> None:
+    """The command's own line, on the terminal's stdout, also while ``libraries_to`` is in effect."""
+    out = _terminal.get(1, sys.stdout)
+    out.write(f"{message}\n")
+    out.flush()
 
 
 @contextmanager
 def libraries_to(log: Path) -> Iterator[Path]:
-    """For the block, file descriptor 2 goes to ``log`` (appended): what the libraries print there — Python
-    warnings, their loggers, C++ warnings, progress bars of their own, child processes that inherit it — lands in
-    the file, not between the command's lines. The command's own output (stdout, ``terminal()``) is unchanged; an
-    error raised out of the block is reported after fd 2 is back."""
-    global _terminal
+    """For the block, file descriptors 1 and 2 go to ``log`` (appended): what the libraries print — Python
+    warnings, their loggers and print()s, C-level writes, progress bars of their own, child processes that inherit
+    them — lands in the file, not between the command's lines. The command's own output goes through ``echo`` and
+    ``terminal()``; an error raised out of the block is reported after both are back."""
     log.parent.mkdir(parents=True, exist_ok=True)
+    sys.stdout.flush()
     sys.stderr.flush()
-    saved = os.dup(2)
+    saved = {fd: os.dup(fd) for fd in (1, 2)}
     with log.open("ab") as file:
-        os.dup2(file.fileno(), 2)
-    _terminal = os.fdopen(os.dup(saved), "w", buffering=1, encoding="utf-8", errors="replace")
+        for fd in saved:
+            os.dup2(file.fileno(), fd)
+    for fd, copy in saved.items():
+        _terminal[fd] = os.fdopen(os.dup(copy), "w", buffering=1, encoding="utf-8", errors="replace")
     try:
         yield log
     finally:
+        sys.stdout.flush()
         sys.stderr.flush()
-        os.dup2(saved, 2)
-        os.close(saved)
-        _terminal.close()
-        _terminal = None
+        for fd, copy in saved.items():
+            os.dup2(copy, fd)
+            os.close(copy)
+            _terminal.pop(fd).close()

@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # Install a real harness from its registry once, pinned, into $FORGE_CACHE/harnesses/<name>-<version>.
-# Usage: scripts/harness.sh codex|claude-code|mini-swe-agent   (prints the path of its executable)
+# Usage: scripts/harness.sh codex|claude-code|mini-swe-agent|qwen-code|pi   (prints the path of its executable)
 set -euo pipefail
 cache="${FORGE_CACHE:-/var/cache/openforge}/harnesses"
 case "${1:-}" in
   codex) package="@openai/codex"; version="0.171.0"; bin="node_modules/.bin/codex" ;;
   claude-code) package="@anthropic-ai/claude-code"; version="2.1.332"
     bin="node_modules/@anthropic-ai/claude-code/bin/claude.exe" ;;
+  qwen-code) package="@qwen-code/qwen-code"; version="0.24.4"; bin="node_modules/.bin/qwen" ;;
+  pi) package="@mariozechner/pi-coding-agent"; version="0.73.1"; bin="node_modules/.bin/pi" ;;
   mini-swe-agent) package="mini-swe-agent"; req="$(cd "$(dirname "$0")/.." && pwd)/requirements/harness-mini-swe-agent.txt"
     version="$(grep '^mini-swe-agent==' "$req" | cut -d= -f3)-$(sha256sum "$req" | cut -c1-8)"; bin="bin/mini" ;;
-  *) echo "harness.sh: unknown harness '${1:-}' (known: codex, claude-code, mini-swe-agent)" >&2; exit 2 ;;
+  *) echo "harness.sh: unknown harness '${1:-}' (known: codex, claude-code, mini-swe-agent, qwen-code, pi)" >&2; exit 2 ;;
 esac
 dir="$cache/$1-$version"
 if [ "$1" = mini-swe-agent ]; then

@@ -1,5 +1,5 @@
-"""forge.console.libraries_to: what libraries print (fd 2: Python warnings, loggers, C-level writes, children) goes
-to the log file; progress bars (``terminal()``) and what comes after the block reach the real stderr."""
+"""forge.console.libraries_to: what libraries print (fd 1 and 2: warnings, loggers, print(), C-level writes,
+children) goes to the log file; the command's own lines (``echo``, ``terminal()``) and what comes after the block do not."""
 
 import subprocess
 import sys
@@ -8,16 +8,18 @@ from pathlib import Path
 SCRIPT = """
 import logging, os, subprocess, sys, warnings
 from pathlib import Path
-from forge.console import libraries_to, terminal
+from forge.console import echo, libraries_to, terminal
 
 with libraries_to(Path(sys.argv[1])):
     warnings.warn("a library's warning")
     logging.getLogger("lib").warning("a library's log line")
     os.write(2, b"a C-level write\\n")
     subprocess.run(["sh", "-c", "echo a child process >&2"], check=True)
+    print("a library's print")
     terminal().write("a progress bar\\n")
-    print("the command's own line")
+    echo("the command's own line")
 print("after the block", file=sys.stderr)
+print("stdout after the block")
 """
 
 
@@ -26,7 +28,13 @@ def test_libraries_go_to_the_log_and_the_commands_own_output_does_not(tmp_path: 
     done = subprocess.run([sys.executable, "-c", SCRIPT, str(log)], capture_output=True, text=True, timeout=60,
                           cwd=Path(__file__).parent.parent, check=True)  # fmt: skip
     logged = log.read_text()
-    for line in ("a library's warning", "a library's log line", "a C-level write", "a child process"):
-        assert line in logged and line not in done.stderr
+    for line in (
+        "a library's warning",
+        "a library's log line",
+        "a C-level write",
+        "a child process",
+        "a library's print",
+    ):
+        assert line in logged and line not in done.stderr and line not in done.stdout
     assert done.stderr.splitlines() == ["a progress bar", "after the block"]
-    assert done.stdout == "the command's own line\n"
+    assert done.stdout == "the command's own line\nstdout after the block\n"

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import click
 
-from forge.console import libraries_to
+from forge.console import echo, libraries_to
 from forge.errors import ForgeError
 
 
@@ -71,7 +71,7 @@ def demo_command(
     log = settings.out / "demo.log"
     click.echo(f"forge demo: the libraries' messages (veRL, torch, Ray, transformers) go to {log}")
     with libraries_to(log):
-        Demo(settings, echo=click.echo).run()
+        Demo(settings, echo=echo).run()
 
 
 commands: list[click.Command] = [demo_command]
