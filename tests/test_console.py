@@ -1,5 +1,5 @@
 """forge.console.libraries_to: what libraries print (fd 1 and 2: warnings, loggers, print(), C-level writes,
-children) goes to the log file; the command's own lines (``echo``, ``terminal()``) and what comes after the block do not."""
+children) goes to the log file; the command's own lines (``echo``, ``terminal()``) and what follows the block do not."""
 
 import subprocess
 import sys
