@@ -683,16 +683,17 @@ class Forge:
         call.policy_model = self.policy_model
         bound = apis.bound_completion(api, body, ctx.options.forge_max_completion_tokens, replica.context)
         module = apis.module_for(api)
-        if api == "responses":  # previous_response_id and item_reference resolved from this episode's answers
-            self.stored_responses.resolve(call.episode_id, body)
+        # previous_response_id and item_reference resolved from this episode's answers; the call it extends by id
+        if api == "responses" and (continued := self.stored_responses.resolve(call.episode_id, body)):
+            flow.metadata["forge_continues"] = continued  # (tokens-in: sidecar/continuation.py)
         try:
             added = module.prepare_request(api, body)
         except ValueError as error:  # a request we cannot translate goes on as it came; vLLM judges it
             call.error = f"request not translated ({error}); passed through unchanged"
             return None
         if isinstance(added, apis.responses.Additions) and body.get("store") is not False:
-            sent, episode, kept = input_items(body.get("input")), call.episode_id, self.stored_responses
-            added.keep = lambda answer: kept.keep(episode, sent, answer)
+            sent, kept = input_items(body.get("input")), self.stored_responses
+            added.keep = lambda answer: kept.keep(call.episode_id, call.call_id, sent, answer)
         prepared = (added.upstream_path or flow.request.path, codec.dumps(body))
         sampling = json.dumps({k: body[k] for k in SAMPLING_KEYS if k in body}, sort_keys=True)
         call.bound, call.module, call.added, call.sampling = bound, module, added, sampling  # last: nothing fails after

@@ -59,9 +59,14 @@ class Kept:
     """One answer served: who asked, what vLLM was sent as input, what the harness got."""
 
     episode: str
+    call_id: str  # the call record that served it
     input: list[Any]
     response: dict[str, Any]
-    item_ids: list[str] = field(default_factory=list)
+    item_ids: list[str] = field(default_factory=list)  # the ids first kept with it
+
+    def conversation(self) -> list[Any]:
+        """What a request continuing it begins with: its input, then its output."""
+        return self.input + list(self.response.get("output") or [])
 
 
 def input_items(value: Any) -> list[Any]:
@@ -85,6 +90,7 @@ class ResponseStore:
         self.max_responses = max_responses
         self.responses: OrderedDict[str, Kept] = OrderedDict()
         self.items: dict[tuple[str, Any], Any] = {}  # (episode, item id: a str) -> the item
+        self.owners: dict[tuple[str, Any], str] = {}  # (episode, output item id) -> the response that answered it
         self.lock = threading.Lock()
 
     def _response(self, episode: str, response_id: Any, param: str | None = "previous_response_id") -> Kept:
@@ -93,43 +99,55 @@ class ResponseStore:
             raise response_not_found(str(response_id), param)
         return kept
 
-    def resolve(self, episode: str, body: dict[str, Any]) -> list[Any]:
+    def resolve(self, episode: str, body: dict[str, Any]) -> str | None:
         """Rewrite (in place) a request's ``previous_response_id`` and ``item_reference`` items into the whole
-        input, and return it (the input the answer is kept with). Raises ``NotFound``."""
+        input. Returns the call id of the answer this request continues by construction (its input begins with
+        that answer's whole input and output: ``previous_response_id``, or references to its output after its
+        input), else None. Raises ``NotFound``."""
         with self.lock:
             previous = body.pop("previous_response_id", None)
             items: list[Any] = []
+            continued: Kept | None = None
             if previous is not None:
-                kept = self._response(episode, previous)
-                items = copy.deepcopy(kept.input + list(kept.response.get("output") or []))
+                continued = self._response(episode, previous)
+                items = copy.deepcopy(continued.conversation())
             for item in input_items(body.get("input")):
                 if isinstance(item, dict) and item.get("type") == REFERENCE:
-                    found = self.items.get((episode, item.get("id"))) if isinstance(item.get("id"), str) else None
+                    key = (episode, item.get("id"))
+                    found = self.items.get(key) if isinstance(key[1], str) else None
                     if found is None:
                         raise item_not_found(str(item.get("id")))
+                    if previous is None and key in self.owners:
+                        continued = self.responses.get(self.owners[key])
                     item = copy.deepcopy(found)
                 items.append(item)
             if previous is not None or has_references(body):
                 body["input"] = items
-            return items
+            if continued is None or items[: len(continued.conversation())] != continued.conversation():
+                return None
+            return continued.call_id
 
-    def keep(self, episode: str, sent: list[Any], response: dict[str, Any]) -> None:
+    def keep(self, episode: str, call_id: str, sent: list[Any], response: dict[str, Any]) -> None:
         """Remember an answer served (``response`` as the harness got it) with the whole input it answered."""
         response_id = response.get("id")
         if not isinstance(response_id, str):
             return
         with self.lock:
-            kept = Kept(episode, sent, copy.deepcopy(response))
-            for item in [*sent, *(kept.response.get("output") or [])]:  # an id kept already stays its first owner's
+            kept = Kept(episode, call_id, sent, copy.deepcopy(response))
+            output = list(kept.response.get("output") or [])
+            for item in [*sent, *output]:  # an id kept already stays its first owner's
                 key = (episode, item.get("id")) if isinstance(item, dict) else None
                 if key is not None and isinstance(key[1], str) and key not in self.items:
                     self.items[key] = item
                     kept.item_ids.append(key[1])
+                    if any(item is out for out in output):
+                        self.owners[key] = response_id
             self.responses[response_id] = kept
             while len(self.responses) > self.max_responses:
                 _, dropped = self.responses.popitem(last=False)
                 for item_id in dropped.item_ids:
                     self.items.pop((dropped.episode, item_id), None)
+                    self.owners.pop((dropped.episode, item_id), None)
 
     def get(self, episode: str, response_id: str) -> dict[str, Any]:
         with self.lock:
@@ -145,6 +163,7 @@ class ResponseStore:
             del self.responses[response_id]
             for item_id in kept.item_ids:
                 self.items.pop((kept.episode, item_id), None)
+                self.owners.pop((kept.episode, item_id), None)
 
 
 STORED_PATH = re.compile(r"/responses/([^/]+)(/input_items)?$")
