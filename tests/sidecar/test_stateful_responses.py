@@ -196,10 +196,15 @@ def test_another_episodes_responses_cannot_be_read_or_spliced(start_sidecar, pol
 
 
 def test_store_false_keeps_nothing(start_sidecar, policy_server):
+    """``store: false`` is today's behaviour: the answer is served and recorded, and kept nowhere; beside it an
+    answer with the default ``store`` is kept."""
     sidecar = start_sidecar(policy_server.base_url, episode_id=None)
     sdk = client(sidecar, "episode-1")
-    reply = create(sdk, False, input=FIRST, store=False)
+    kept = create(sdk, False, input=FIRST)
+    unkept = create(sdk, False, input=FIRST, store=False)
+    assert create(sdk, False, input="and?", previous_response_id=kept.id).output
     with pytest.raises(openai.NotFoundError):
-        create(sdk, False, input="and?", previous_response_id=reply.id)
+        create(sdk, False, input="and?", previous_response_id=unkept.id)
     with pytest.raises(openai.NotFoundError):
-        sdk.responses.retrieve(reply.id)
+        sdk.responses.retrieve(unkept.id)
+    assert sdk.responses.retrieve(kept.id).id == kept.id
