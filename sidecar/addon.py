@@ -44,7 +44,7 @@ from mitmproxy import ctx, http
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # mitmdump loads this file as a script
 
 from sidecar import __version__ as SIDECAR_VERSION
-from sidecar import apis, codec, harness, identity, transparent
+from sidecar import apis, codec, harness, identity, response_store, transparent
 from sidecar.admin import DEFAULT_TOKEN_FILE, AdminServer, TokenFileError, create_token_file, read_token_file
 from sidecar.apis.base import Sampled, Served, StreamState, WireApi
 from sidecar.apis.errors import error_body, error_headers
@@ -64,6 +64,7 @@ from sidecar.redact import (
 )
 from sidecar.replicas import Replica, ReplicaSet, Route, UpstreamError, parse_upstreams
 from sidecar.request_delta import RequestDelta, RequestIndex
+from sidecar.response_store import NotFound, ResponseStore, input_items
 from sidecar.sse import EventFramer
 from sidecar.store import open_store
 from sidecar.version import Asked, VersionClock
@@ -128,6 +129,7 @@ class Forge:
         self.metrics = Metrics()
         self.prefixes = PrefixIndex()
         self.requests = RequestIndex()
+        self.stored_responses = ResponseStore()  # Responses answers served with store on, per episode
         self.tokens_in_mode = "off"
         self.continuations: dict[str, Continuations] = {}  # per replica URL
         self.in_flight: dict[str, tuple[http.HTTPFlow, Call]] = {}  # calls begun, not yet recorded
@@ -432,10 +434,18 @@ class Forge:
                 who = self._identity(flow, headers)
                 route, asked = await self._choose(who[0])
                 self._begin(flow, api, who, route, headers)
+                if flow.response is not None:  # answered by the sidecar (a stored response this episode lacks)
+                    return
                 call: Call = flow.metadata["forge_call"]
                 call.policy_version, call.version_why = asked
                 assert call.replica is not None
                 await self._continuations(call.replica).prepare(flow, call, self.prefixes.sequences(call.episode_id))
+            elif api == "responses_stored":  # a stored response read or deleted: this episode's only, never routed
+                who = self._identity(flow, identity.header_map(flow.request.headers))
+                status, body = response_store.answer(
+                    self.stored_responses, who[0], flow.request.method, flow.request.path
+                )
+                flow.response = http.Response.make(status, body, {"content-type": "application/json"})
             else:  # served by the policy, not a sampled call: routed, never recorded
                 self._strip_hop_secrets(flow)
                 self._route(flow, self.replicas.route(None).replica)
@@ -615,6 +625,13 @@ class Forge:
         self.in_flight[call.call_id] = (flow, call)
         try:
             prepared = self._prepare(flow, call, headers, route.replica)
+        except NotFound as refusal:  # a stored response or item this episode does not have: the API's own 404
+            self.metrics.inc("responses_reference_refused_total")
+            call.error = f"refused by the sidecar: {refusal.message}"
+            flow.metadata["forge_answered"] = True
+            flow.response = http.Response.make(404, refusal.body(), {"content-type": "application/json"})
+            self._record(flow, call, status="error")
+            return
         except Exception as error:  # our code failed on an odd request: it goes to the policy as it came (the
             # server judges it, the harness gets its answer), recorded as an error; never half-prepared
             self.metrics.inc("requests_unprepared_total")
@@ -666,11 +683,17 @@ class Forge:
         call.policy_model = self.policy_model
         bound = apis.bound_completion(api, body, ctx.options.forge_max_completion_tokens, replica.context)
         module = apis.module_for(api)
+        # previous_response_id and item_reference resolved from this episode's answers; the call it extends by id
+        if api == "responses" and (continued := self.stored_responses.resolve(call.episode_id, body)):
+            flow.metadata["forge_continues"] = continued  # (tokens-in: sidecar/continuation.py)
         try:
             added = module.prepare_request(api, body)
         except ValueError as error:  # a request we cannot translate goes on as it came; vLLM judges it
             call.error = f"request not translated ({error}); passed through unchanged"
             return None
+        if isinstance(added, apis.responses.Additions) and body.get("store") is not False:
+            sent, kept = input_items(body.get("input")), self.stored_responses
+            added.keep = lambda answer: kept.keep(call.episode_id, call.call_id, sent, answer)
         prepared = (added.upstream_path or flow.request.path, codec.dumps(body))
         sampling = json.dumps({k: body[k] for k in SAMPLING_KEYS if k in body}, sort_keys=True)
         call.bound, call.module, call.added, call.sampling = bound, module, added, sampling  # last: nothing fails after

@@ -523,10 +523,14 @@ class Continuations:
 
     async def examine(
         self, api: str, episode_sequences: list[tuple[str, bytes]], body: dict[str, Any], added: Any, path: str,
-        bound: CompletionBound | None = None,
+        bound: CompletionBound | None = None, continues: str | None = None,
     ) -> tuple[Decision, dict[str, Any] | None] | None:  # fmt: skip
         """For an eligible call with earlier calls in its episode: None (ids extend, or nothing to compare), or the
-        decision and, when it is to be served tokens-in, the /v1/completions request."""
+        decision and, when it is to be served tokens-in, the /v1/completions request.
+
+        ``continues``: the call whose whole input and output this request's input begins with, known by id (a
+        stored Responses answer, ``sidecar/response_store.py``). Its text is not compared: the template may not
+        render all of it (a chat template that shows no tool calls), and the harness named that answer itself."""
         if not episode_sequences or not self.eligible(api, body, added):
             return None
         if not answers_in_history(api, body):
@@ -546,7 +550,14 @@ class Continuations:
         )  # fmt: skip
         end_of_turn = await self._end_of_turn(model)
         found: tuple[list[int], Split] | None = None
-        for shared, _, packed in scored[:MAX_CANDIDATES]:
+        named = dict(episode_sequences).get(continues) if continues else None
+        if named is not None:  # the call the harness named by id: its split, its text not compared
+            earlier = list(memoryview(named).cast("i"))
+            if common_prefix(earlier, rendered_ids) == len(earlier):
+                return None
+            if (split := retokenized_split(earlier, rendered_ids, end_of_turn)) is not None:
+                found = (earlier, split)
+        for shared, _, packed in [] if found else scored[:MAX_CANDIDATES]:
             earlier = list(memoryview(packed).cast("i"))
             if shared == len(earlier):
                 return None  # the prompt extends this call's ids: the normal path continues the segment
@@ -577,6 +588,8 @@ class Continuations:
                                           served_max)  # fmt: skip
         note = (f"served tokens-in: {len(earlier)} ids of an earlier call (re-tokenized from id {split.diverge}) + "
                 f"{len(rendered_ids) - split.end} rendered")  # fmt: skip
+        if named is not None and found[0] == list(memoryview(named).cast("i")):
+            note += f", the call {continues} named by its response or item ids"
         decision = Decision("retokenized", note=note, original_path=path, original_body=b"", timings_ms=timings)
         if request is None:
             decision.note = "tokens-in: a sampling parameter this path does not carry; served normally"
@@ -594,7 +607,8 @@ class Continuations:
             return
         try:
             body = json.loads(flow.request.content or b"")
-            found = await self.examine(call.api, episode_sequences, body, call.added, flow.request.path, call.bound)
+            found = await self.examine(call.api, episode_sequences, body, call.added, flow.request.path, call.bound,
+                                       flow.metadata.get("forge_continues"))  # fmt: skip
         except Exception as error:
             call.continuation = Decision("error", note=f"tokens-in not examined ({type(error).__name__}: {error})")
             return

@@ -4,12 +4,14 @@ Recorded (model calls): ``chat``, ``completions`` (module ``openai``), ``respons
 Served from the policy but not recorded (no sampling): ``count_tokens`` (Anthropic, vLLM answers it),
 ``models`` (the model list; in Anthropic's format when the harness speaks Anthropic).
 Answered by the sidecar itself: ``responses_socket`` (Codex's WebSocket upgrade on GET /v1/responses: refused
-at once, so it falls back to POST).
+at once, so it falls back to POST), ``responses_stored`` (GET/DELETE /v1/responses/{id}, GET .../input_items:
+from the answers this episode was served, ``sidecar/response_store.py``).
 """
 
 from dataclasses import dataclass
 from typing import Any
 
+from sidecar import response_store
 from sidecar.apis import messages, openai, responses
 from sidecar.apis.base import WireApi
 
@@ -51,6 +53,8 @@ def api_for(method: str, path: str) -> str | None:
             return "models"
         if path.endswith(responses.PATHS):
             return "responses_socket"
+    if response_store.stored_path(method, path):
+        return "responses_stored"
     return None
 
 

@@ -36,6 +36,7 @@ item (a developer-role item holding namespaces of tools) beside an empty ``tools
 """
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +57,8 @@ class Additions:
     harness_logprobs: bool  # ... or for the output-text logprobs
     harness_top_logprobs: bool
     upstream_path: str | None = None
+    # The sidecar's: remember an answer as the harness got it (store on; sidecar/response_store.py)
+    keep: Callable[[dict[str, Any]], None] | None = None
 
     def finish(self, answer: dict[str, Any]) -> tuple[Sampled, dict[str, Any]]:
         return finish(self, answer)
@@ -267,9 +270,14 @@ def sampled_from_response(response: dict[str, Any]) -> Sampled:
     )
 
 
+KEPT_STATUSES = ("completed", "incomplete")  # an answer the harness can refer to afterwards
+
+
 def finish(added: Additions, answer: dict[str, Any]) -> tuple[Sampled, dict[str, Any]]:
     sampled = sampled_from_response(answer)
     strip_response(answer, added)
+    if added.keep is not None and answer.get("status") in KEPT_STATUSES:
+        added.keep(answer)
     return sampled, answer
 
 
@@ -307,6 +315,8 @@ class StreamState(DataStream):
                 self.sampled = sampled_from_response(response)
                 self.done = True
             changed = strip_response(response, self.added) or changed
+            if self.added.keep is not None and kind in ("response.completed", "response.incomplete"):
+                self.added.keep(response)
         if kind in FAILED_EVENTS:  # the answer ends with the upstream's failure: recorded as that, never ok
             self.sampled.upstream_error = failure_message(event)
             self.done = True

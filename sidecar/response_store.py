@@ -1,0 +1,197 @@
+"""Stateful OpenAI Responses, served from what the sidecar served: ``previous_response_id``, ``item_reference``,
+``GET``/``DELETE /v1/responses/{id}``.
+
+The OpenAI SDKs, the Agents SDK and the Vercel AI SDK default to ``store: true``: a tool loop's next request sends
+``previous_response_id`` (the new input is appended to that response's input and output) or refers to earlier
+items by id (``{"type": "item_reference", "id": ...}``) instead of sending the history. vLLM keeps no such state
+(0.32 ignores ``store`` unless ``VLLM_ENABLE_RESPONSES_API_STORE``, and refuses ``item_reference``), so the sidecar
+resolves both from the answers it served, per episode, and sends vLLM the whole input. The ids the harness refers
+to are the ones it got: vLLM's response and item ids, relayed unchanged (the sidecar keeps them, no map needed).
+
+- What is kept: for each answer served with ``store`` not false, the input vLLM was sent (resolved) and the answer
+  as the harness got it, under the episode that made the call; items by id (output items, and input items the
+  harness sent with an id). A call with ``store: false`` keeps nothing (today's behaviour); its references are
+  still resolved, as the real API does.
+- Episodes are walls: an id is looked up in the calling episode only. Another episode's response or item is
+  answered exactly as an unknown one (404, the API's own error), so an agent can neither read nor splice another
+  episode's records, nor learn that an id exists.
+- Bounded: at most ``max_responses`` answers are kept (the oldest go first); a dropped one is "not found", as an
+  expired one is at OpenAI. They live in memory: after a restart they are gone (a reference is then 404).
+"""
+
+import copy
+import json
+import re
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_RESPONSES = 4096
+REFERENCE = "item_reference"
+
+
+class NotFound(Exception):
+    """A reference the episode cannot resolve: answered 404 in OpenAI's format."""
+
+    def __init__(self, message: str, param: str | None, code: str | None) -> None:
+        super().__init__(message)
+        self.message, self.param, self.code = message, param, code
+
+    def body(self) -> bytes:
+        error = {"message": self.message, "type": "invalid_request_error", "param": self.param, "code": self.code}
+        return json.dumps({"error": error}, separators=(",", ":")).encode()
+
+
+def response_not_found(response_id: str, param: str | None = "previous_response_id") -> NotFound:
+    """``previous_response_id`` unknown (param set), or ``GET``/``DELETE`` of an unknown response (param None)."""
+    if param is None:
+        return NotFound(f"Response with id '{response_id}' not found.", None, None)
+    return NotFound(f"Previous response with id '{response_id}' not found.", param, "previous_response_not_found")
+
+
+def item_not_found(item_id: str) -> NotFound:
+    return NotFound(f"Item with id '{item_id}' not found.", "input", None)
+
+
+@dataclass
+class Kept:
+    """One answer served: who asked, what vLLM was sent as input, what the harness got."""
+
+    episode: str
+    call_id: str  # the call record that served it
+    input: list[Any]
+    response: dict[str, Any]
+    item_ids: list[str] = field(default_factory=list)  # the ids first kept with it
+
+    def conversation(self) -> list[Any]:
+        """What a request continuing it begins with: its input, then its output."""
+        return self.input + list(self.response.get("output") or [])
+
+
+def input_items(value: Any) -> list[Any]:
+    """A request's ``input`` as a list of items (a string is one user message, as the API reads it)."""
+    if isinstance(value, str):
+        return [{"type": "message", "role": "user", "content": value}]
+    return list(value) if isinstance(value, list) else []
+
+
+def has_references(body: dict[str, Any]) -> bool:
+    items = body.get("input")
+    return bool(body.get("previous_response_id")) or (
+        isinstance(items, list) and any(isinstance(i, dict) and i.get("type") == REFERENCE for i in items)
+    )
+
+
+class ResponseStore:
+    """The answers served with ``store`` on, per episode (thread-safe: the addon's loop and its stream callbacks)."""
+
+    def __init__(self, max_responses: int = MAX_RESPONSES) -> None:
+        self.max_responses = max_responses
+        self.responses: OrderedDict[str, Kept] = OrderedDict()
+        self.items: dict[tuple[str, Any], Any] = {}  # (episode, item id: a str) -> the item
+        self.owners: dict[tuple[str, Any], str] = {}  # (episode, output item id) -> the response that answered it
+        self.lock = threading.Lock()
+
+    def _response(self, episode: str, response_id: Any, param: str | None = "previous_response_id") -> Kept:
+        kept = self.responses.get(response_id) if isinstance(response_id, str) else None
+        if kept is None or kept.episode != episode:  # another episode's: the same answer as an unknown id
+            raise response_not_found(str(response_id), param)
+        return kept
+
+    def resolve(self, episode: str, body: dict[str, Any]) -> str | None:
+        """Rewrite (in place) a request's ``previous_response_id`` and ``item_reference`` items into the whole
+        input. Returns the call id of the answer this request continues by construction (its input begins with
+        that answer's whole input and output: ``previous_response_id``, or references to its output after its
+        input), else None. Raises ``NotFound``."""
+        with self.lock:
+            previous = body.pop("previous_response_id", None)
+            items: list[Any] = []
+            continued: Kept | None = None
+            if previous is not None:
+                continued = self._response(episode, previous)
+                items = copy.deepcopy(continued.conversation())
+            for item in input_items(body.get("input")):
+                if isinstance(item, dict) and item.get("type") == REFERENCE:
+                    key = (episode, item.get("id"))
+                    found = self.items.get(key) if isinstance(key[1], str) else None
+                    if found is None:
+                        raise item_not_found(str(item.get("id")))
+                    if previous is None and key in self.owners:
+                        continued = self.responses.get(self.owners[key])
+                    item = copy.deepcopy(found)
+                items.append(item)
+            if previous is not None or has_references(body):
+                body["input"] = items
+            if continued is None or items[: len(continued.conversation())] != continued.conversation():
+                return None
+            return continued.call_id
+
+    def keep(self, episode: str, call_id: str, sent: list[Any], response: dict[str, Any]) -> None:
+        """Remember an answer served (``response`` as the harness got it) with the whole input it answered."""
+        response_id = response.get("id")
+        if not isinstance(response_id, str):
+            return
+        with self.lock:
+            kept = Kept(episode, call_id, sent, copy.deepcopy(response))
+            output = list(kept.response.get("output") or [])
+            for item in [*sent, *output]:  # an id kept already stays its first owner's
+                key = (episode, item.get("id")) if isinstance(item, dict) else None
+                if key is not None and isinstance(key[1], str) and key not in self.items:
+                    self.items[key] = item
+                    kept.item_ids.append(key[1])
+                    if any(item is out for out in output):
+                        self.owners[key] = response_id
+            self.responses[response_id] = kept
+            while len(self.responses) > self.max_responses:
+                _, dropped = self.responses.popitem(last=False)
+                for item_id in dropped.item_ids:
+                    self.items.pop((dropped.episode, item_id), None)
+                    self.owners.pop((dropped.episode, item_id), None)
+
+    def get(self, episode: str, response_id: str) -> dict[str, Any]:
+        with self.lock:
+            return copy.deepcopy(self._response(episode, response_id, None).response)
+
+    def input_items(self, episode: str, response_id: str) -> list[Any]:
+        with self.lock:
+            return copy.deepcopy(self._response(episode, response_id, None).input)
+
+    def delete(self, episode: str, response_id: str) -> None:
+        with self.lock:
+            kept = self._response(episode, response_id, None)
+            del self.responses[response_id]
+            for item_id in kept.item_ids:
+                self.items.pop((kept.episode, item_id), None)
+                self.owners.pop((kept.episode, item_id), None)
+
+
+STORED_PATH = re.compile(r"/responses/([^/]+)(/input_items)?$")
+
+
+def stored_path(method: str, path: str) -> bool:
+    """``GET``/``DELETE /v1/responses/{id}`` or ``GET /v1/responses/{id}/input_items``: answered from the store."""
+    match = STORED_PATH.search(path.split("?", 1)[0].rstrip("/"))
+    return match is not None and (method == "GET" or (method == "DELETE" and not match.group(2)))
+
+
+def answer(store: ResponseStore, episode: str, method: str, path: str) -> tuple[int, bytes]:
+    """The status and JSON body the real API gives for a stored response, from what this episode was served."""
+    match = STORED_PATH.search(path.split("?", 1)[0].rstrip("/"))
+    if match is None:
+        raise ValueError(f"not a stored response's path: {path}")
+    response_id = match.group(1)
+    try:
+        if method == "DELETE":
+            store.delete(episode, response_id)
+            body: Any = {"id": response_id, "object": "response", "deleted": True}
+        elif match.group(2):
+            data = [item for item in store.input_items(episode, response_id) if isinstance(item, dict)]
+            ids = [item.get("id") for item in data]
+            body = {"object": "list", "data": data, "first_id": ids[0] if ids else None,
+                    "last_id": ids[-1] if ids else None, "has_more": False}  # fmt: skip
+        else:
+            body = store.get(episode, response_id)
+    except NotFound as refusal:
+        return 404, refusal.body()
+    return 200, json.dumps(body, separators=(",", ":")).encode()
