@@ -1,7 +1,7 @@
 """The record writer: a write-ahead log in SQLite, flushed to the store as Parquet files that appear atomically.
 
-Every record is committed to the WAL (``<wal-dir>/wal.sqlite``) before the harness gets its answer, so a
-``kill -9`` loses nothing delivered: SQLite's journal makes each commit atomic (a torn write rolls back only
+Every record is committed to the WAL (``<wal-dir>/wal.sqlite``) before the harness gets its answer (records of
+calls that end together may share one transaction: ``append_many``), so a ``kill -9`` loses nothing delivered: SQLite's journal makes each commit atomic (a torn write rolls back only
 itself) and ``--fsync`` says when it reaches the disk: ``always`` (every commit, survives a machine crash),
 ``interval`` (the default: a checkpoint each second, so a machine crash loses at most about a second; a process
 kill loses nothing) or ``never`` (the OS decides). Rows are plain JSON plus little-endian int32/float32 blobs for
