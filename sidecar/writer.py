@@ -1,10 +1,11 @@
 """The record writer: a write-ahead log in SQLite, flushed to the store as Parquet files that appear atomically.
 
 Every record is committed to the WAL (``<wal-dir>/wal.sqlite``) before the harness gets its answer (records of
-calls that end together may share one transaction: ``append_many``), so a ``kill -9`` loses nothing delivered: SQLite's journal makes each commit atomic (a torn write rolls back only
-itself) and ``--fsync`` says when it reaches the disk: ``always`` (every commit, survives a machine crash),
-``interval`` (the default: a checkpoint each second, so a machine crash loses at most about a second; a process
-kill loses nothing) or ``never`` (the OS decides). Rows are plain JSON plus little-endian int32/float32 blobs for
+calls that end together may share one transaction: ``append_many``), so a ``kill -9`` loses nothing delivered:
+SQLite's journal makes each commit atomic (a torn write rolls back only itself) and ``--fsync`` says when it
+reaches the disk: ``always`` (every commit, survives a machine crash), ``interval`` (the default: a checkpoint each
+second, so a machine crash loses at most about a second; a process kill loses nothing) or ``never`` (the OS
+decides). Rows are plain JSON plus little-endian int32/float32 blobs for
 the ids, readable by any Python.
 
 The flusher thread cuts the pending rows of a table into numbered batches (by rows, bytes or age) and writes
@@ -53,6 +54,7 @@ CHECKPOINT_INTERVAL_S = 1.0
 # server's first steps took over 10 s; sidecar/version.py), with room for calls that ended while an earlier
 # question was out. Only a slow answer makes rows wait (the rows after a held one wait with it, to keep their order).
 HOLD_S = 45.0
+CUT_EVERY_S = 1.0  # how often the flusher looks for a batch to cut (unless --flush-seconds is shorter)
 MAX_EPISODE_COUNTERS = 100_000  # seq counters kept; the least recently used beyond this are forgotten
 # The id columns travel as packed little-endian bytes and become list arrays without a Python loop.
 ID_COLUMNS = {"prompt_suffix_ids": "i", "completion_token_ids": "i", "completion_logprobs": "f"}
@@ -327,11 +329,16 @@ class RecordWriter:
         return self
 
     def _run(self) -> None:
+        last_cut = 0.0
         while not self.stopping.is_set():
             self.wake.wait(0.2)
             self.wake.clear()
             try:
-                self.cut_batches()
+                # Looking for a batch to cut reads every pending row with the lock held (appends wait): at most
+                # every CUT_EVERY_S, or every --flush-seconds when that is shorter.
+                if time.monotonic() - last_cut >= min(CUT_EVERY_S, self.max_age_s):
+                    last_cut = time.monotonic()
+                    self.cut_batches()
                 if time.monotonic() >= self.backoff_until:
                     self.flush_batches()
                 self._housekeeping()
