@@ -4,7 +4,9 @@ All over the same fast local upstream (bench/fake_upstream.py: a fixed vLLM-shap
 is measured. Non-streaming p50/p99 with 1 and 64 clients, streaming time to first token with 1 client, and
 whether SSE is live (upstream chunks 0.3 s apart: when does the first reach the client?).
 
-Run: .venv/bin/python bench/sidecar_latency.py [--calls 400] [--gateway-python PATH]
+Run: .venv/bin/python bench/sidecar_latency.py [--calls 400] [--runs 3] [--gateway-python PATH]
+Each run prints its table and the sidecar's ratios to bare mitmdump's against the goals (issue 24: added p50 for one
+client <= 1.1x, calls/s at 64 clients >= 0.9x); ``--runs 3`` then lists the three runs' ratios side by side.
 (rllm-model-gateway lives in a bench-only env: python3.11 -m venv V && V/bin/pip install rllm-model-gateway)
 """
 
@@ -59,11 +61,8 @@ def measure(port: int, calls: int) -> dict[str, float]:
     }  # fmt: skip
 
 
-@click.command()
-@click.option("--calls", type=int, default=400, show_default=True)
-@click.option("--gateway-python", type=click.Path(path_type=Path),
-              default=Path("/var/cache/openforge/bench/rllm/bin/python"), show_default=True)  # fmt: skip
-def main(calls: int, gateway_python: Path) -> None:
+def one_run(calls: int, gateway_python: Path, fixed: bool) -> dict[str, dict[str, float]]:
+    """Every target once, side by side over one upstream; each target's figures."""
     upstream_port = free_port()
     upstream = start([sys.executable, str(ROOT / "bench" / "fake_upstream.py"), str(upstream_port)], upstream_port)
     upstream_url = f"http://127.0.0.1:{upstream_port}"
@@ -76,12 +75,13 @@ def main(calls: int, gateway_python: Path) -> None:
         "openforge sidecar": [str(ROOT / ".venv" / "bin" / "forge"), "sidecar", "--mode", f"reverse:{upstream_url}",
                               "--upstream", upstream_url, "--store", str(work / "store"),
                               "--wal-dir", str(work / "wal"), "--episode-id", "bench"],
-        # The same without asking the server's weight version before and after each call (a fixed version).
-        "sidecar, fixed version": [str(ROOT / ".venv" / "bin" / "forge"), "sidecar", "--mode",
-                                   f"reverse:{upstream_url}", "--upstream", upstream_url,
-                                   "--store", str(work / "store2"), "--wal-dir", str(work / "wal2"),
-                                   "--episode-id", "bench", "--policy-version", "1"],
     }  # fmt: skip
+    if fixed:  # the same without asking the server's weight version around each call (a fixed version)
+        targets["sidecar, fixed version"] = [
+            str(ROOT / ".venv" / "bin" / "forge"), "sidecar", "--mode", f"reverse:{upstream_url}",
+            "--upstream", upstream_url, "--store", str(work / "store2"), "--wal-dir", str(work / "wal2"),
+            "--episode-id", "bench", "--policy-version", "1",
+        ]  # fmt: skip
     if gateway_python.exists():
         gateway = str(gateway_python.parent / "rllm-model-gateway")
         targets["rllm-model-gateway"] = [gateway, "--worker", upstream_url, "--store", "sqlite",
@@ -102,28 +102,70 @@ def main(calls: int, gateway_python: Path) -> None:
                 process.wait(30)
     finally:
         upstream.terminate()
+    return results
+
+
+def ratios(results: dict[str, dict[str, float]]) -> tuple[float, float]:
+    """(the sidecar's added p50 over bare mitmdump's, 1 client; its calls/s over bare mitmdump's, 64 clients)."""
+    base, bare, ours = results["direct"], results["bare mitmdump"], results["openforge sidecar"]
+    return (ours["p50_1"] - base["p50_1"]) / (bare["p50_1"] - base["p50_1"]), ours["rps_64"] / bare["rps_64"]
+
+
+def report(results: dict[str, dict[str, float]], calls: int) -> None:
     base = results["direct"]
-    click.echo(f"{calls} calls x1 client, {calls * 5} x64 clients, {calls // 2} streamed; {os.cpu_count()} cores")
-    click.echo(f"{'target':20} {'p50 1c':>8} {'+p50':>7} {'p99 1c':>8} {'calls/s 1c':>10} {'p50 64c':>8} "
+    click.echo(f"{calls} calls x1 client, {calls * 5} x64 clients, {calls // 2} streamed; {os.cpu_count()} cores, "
+               f"load average {os.getloadavg()[0]:.1f}")  # fmt: skip
+    click.echo(f"{'target':22} {'p50 1c':>8} {'+p50':>7} {'p99 1c':>8} {'calls/s 1c':>10} {'p50 64c':>8} "
                f"{'p99 64c':>8} {'calls/s 64c':>11} {'ttft':>7} {'+ttft':>7} {'live ttft':>10} {'err':>4}")  # fmt: skip
     for name, r in results.items():
         click.echo(
-            f"{name:20} {r['p50_1']:8.2f} {r['p50_1'] - base['p50_1']:+7.2f} {r['p99_1']:8.2f} {r['rps_1']:10.0f} "
+            f"{name:22} {r['p50_1']:8.2f} {r['p50_1'] - base['p50_1']:+7.2f} {r['p99_1']:8.2f} {r['rps_1']:10.0f} "
             f"{r['p50_64']:8.2f} {r['p99_64']:8.2f} {r['rps_64']:11.0f} {r['ttft_1']:7.2f} "
             f"{r['ttft_1'] - base['ttft_1']:+7.2f} {r['live_ttft']:10.1f} {r['errors']:4.0f}"
         )
     bare, ours = results["bare mitmdump"], results["openforge sidecar"]
     added_bare, added_ours = bare["p50_1"] - base["p50_1"], ours["p50_1"] - base["p50_1"]
-    click.echo(f"sidecar added p50 (1 client): {added_ours:.2f} ms = {added_ours / added_bare:.2f}x bare mitmdump's "
-               f"{added_bare:.2f} ms (goal <= 1.1x)")  # fmt: skip
-    click.echo(f"sidecar calls/s (64 clients): {ours['rps_64']:.0f} = {ours['rps_64'] / bare['rps_64']:.2f}x bare "
-               f"mitmdump's {bare['rps_64']:.0f} (goal >= 0.9x)")  # fmt: skip
+    latency, throughput = ratios(results)
+    click.echo(f"sidecar added p50 (1 client): {added_ours:.2f} ms = {latency:.2f}x bare mitmdump's "
+               f"{added_bare:.2f} ms (goal <= 1.1x: {'met' if latency <= 1.1 else 'NOT met'})")  # fmt: skip
+    click.echo(f"sidecar calls/s (64 clients): {ours['rps_64']:.0f} = {throughput:.2f}x bare mitmdump's "
+               f"{bare['rps_64']:.0f} (goal >= 0.9x: {'met' if throughput >= 0.9 else 'NOT met'})")  # fmt: skip
+    click.echo(f"stream TTFT added: sidecar {ours['ttft_1'] - base['ttft_1']:+.2f} ms, bare mitmdump "
+               f"{bare['ttft_1'] - base['ttft_1']:+.2f} ms; SSE live (first of chunks 0.3 s apart): sidecar "
+               f"{ours['live_ttft']:.1f} ms, bare mitmdump {bare['live_ttft']:.1f} ms")  # fmt: skip
     if peer := results.get("rllm-model-gateway"):
         figures = (("p50 1 client", "p50_1", min), ("p99 1 client", "p99_1", min),
                    ("calls/s 64 clients", "rps_64", max), ("p99 64 clients", "p99_64", min))  # fmt: skip
         for label, key, better in figures:
             verdict = "sidecar better" if better(ours[key], peer[key]) == ours[key] else "gateway better"
             click.echo(f"vs rllm-model-gateway, {label}: {ours[key]:.2f} vs {peer[key]:.2f} ({verdict})")
+
+
+@click.command()
+@click.option("--calls", type=int, default=400, show_default=True)
+@click.option("--runs", type=int, default=1, show_default=True, help="Whole side-by-side runs, each reported.")
+@click.option(
+    "--fixed-version/--no-fixed-version",
+    default=True,
+    show_default=True,
+    help="Also measure the sidecar with a fixed --policy-version (no version questions).",
+)
+@click.option("--gateway-python", type=click.Path(path_type=Path),
+              default=Path("/var/cache/openforge/bench/rllm/bin/python"), show_default=True)  # fmt: skip
+def main(calls: int, runs: int, fixed_version: bool, gateway_python: Path) -> None:
+    every = []
+    for run_number in range(1, runs + 1):
+        if runs > 1:
+            click.echo(f"--- run {run_number} of {runs}")
+        results = one_run(calls, gateway_python, fixed_version)
+        report(results, calls)
+        every.append(ratios(results))
+    if runs > 1:
+        latency = " / ".join(f"{r[0]:.2f}x" for r in every)
+        throughput = " / ".join(f"{r[1]:.2f}x" for r in every)
+        click.echo(f"=== {runs} runs: added p50 1 client {latency} bare mitmdump's (goal <= 1.1x: met in "
+                   f"{sum(r[0] <= 1.1 for r in every)} of {runs}); calls/s 64 clients {throughput} (goal >= 0.9x: "
+                   f"met in {sum(r[1] >= 0.9 for r in every)} of {runs})")  # fmt: skip
 
 
 if __name__ == "__main__":

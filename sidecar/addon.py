@@ -13,9 +13,10 @@ Run by `forge sidecar` as ``mitmdump -s sidecar/addon.py``. The hooks below are 
   pick h2 for an opened one when the client offers it, as the real model host would.
 
 Beside the hooks, each concern lives in a module named for it: ``identity`` (whose call it is), ``version`` (the
-policy version around each call), ``replicas`` (which policy server serves it), ``guard`` (``PolicyGuard``, after
-``Forge``: a policy server that cannot be reached, or answers an error that is not JSON, gets the harness an error
-in its API's own format instead of mitmproxy's HTML page; the call is recorded), ``continuation`` (tokens-in),
+policy version around each call), ``replicas`` (which policy server serves it), ``guard`` (``PolicyGuard``, whose
+hooks ``Forge``'s run after their own: mitmproxy dispatches to one addon; a policy server that cannot be reached,
+or answers an error that is not JSON, gets the harness an error in its API's own format instead of mitmproxy's HTML
+page; the call is recorded), ``continuation`` (tokens-in),
 ``apis`` (the wire formats), ``writer`` (the WAL and the store).
 
 Recording is fail-open: any exception in our code is logged and counted, and the harness's call goes on.
@@ -114,6 +115,7 @@ class Call:
     moved_from: str | None = None  # the replica that served the episode's previous call, when it moved
     moved_why: str | None = None
     version_why: str | None = None  # why the record's version is unknown, for its note
+    group: list[tuple[dict[str, Any], bool, str]] | None = None  # set: its record waits for the group commit
 
 
 def moved_note(call: Call, note: str | None) -> str | None:
@@ -152,6 +154,10 @@ class Forge:
         # Call ids: a random prefix per process + a counter (uuid4 per call costs a urandom syscall).
         self.call_prefix = uuid.uuid4().hex[:16]
         self.call_numbers = itertools.count()
+        # Records of whole answers waiting for their group commit: (call, row, probe, status, done).
+        self.staged: list[tuple[Call, dict[str, Any], bool, str, asyncio.Future[int | None]]] = []
+        # The policy guard's hooks run from these (one addon for mitmproxy to dispatch to, not two).
+        self.guard = PolicyGuard(self.metrics)
 
     # -- options and lifecycle ------------------------------------------------------------------------------
     def load(self, loader: Any) -> None:
@@ -265,6 +271,7 @@ class Forge:
         deadline = time.monotonic() + float(ctx.options.forge_drain_seconds)
         while self.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        self._commit_staged()  # records staged for a group commit go in before the WAL closes
         for flow, call in list(self.in_flight.values()):
             try:
                 call.error = "cut at shutdown: the sidecar stopped before the answer was complete"
@@ -359,7 +366,7 @@ class Forge:
             writer = self.writer
             assert writer is not None
             self.versions[replica.url] = VersionClock(
-                urlparse(replica.url), lambda row, v: writer.complete(row, {"policy_version_end": v})
+                urlparse(replica.url), lambda rows, v: writer.complete_many(rows, {"policy_version_end": v})
             )
         return self.versions[replica.url]
 
@@ -425,6 +432,12 @@ class Forge:
         flow.metadata["forge_api"] = api
 
     async def request(self, flow: http.HTTPFlow) -> None:
+        try:
+            await self._request(flow)
+        finally:
+            await self.guard.request(flow)
+
+    async def _request(self, flow: http.HTTPFlow) -> None:
         api = flow.metadata.get("forge_api")
         if api is None or flow.response is not None:
             return
@@ -551,6 +564,12 @@ class Forge:
             flow.response.stream = lambda data: self._on_stream_data(flow, call, data)
 
     async def response(self, flow: http.HTTPFlow) -> None:
+        try:
+            await self._response(flow)
+        finally:
+            self.guard.response(flow)
+
+    async def _response(self, flow: http.HTTPFlow) -> None:
         call: Call | None = flow.metadata.get("forge_call")
         if "forge_api" in flow.metadata:
             self._connected(flow)
@@ -568,11 +587,51 @@ class Forge:
                 and await self._continuations(call.replica).fall_back(self, flow, call)
             ):
                 return  # served (and recorded) by the normal path instead
+            call.group = []
             self._finish(flow, call)
+            group, call.group = call.group, None
+            if group:
+                await self._commit(call, *group[0])
         except Exception as error:
             self._internal_error("response", error)
 
+    async def _commit(self, call: Call, row: dict[str, Any], probe: bool, status: str) -> None:
+        """Group commit: the records of whole answers whose hooks run in one turn of the event loop share one WAL
+        transaction; each hook waits for it, so the harness gets no byte of an answer before its record is committed.
+        A call alone (nothing else in flight) is committed at once, without waiting for the next turn."""
+        assert self.writer is not None
+        if not self.staged and not self.in_flight:  # nothing could end with it
+            self._logged(call, status, probe, self.writer.append("calls", row, hold=probe))
+            return
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[int | None] = loop.create_future()
+        if not self.staged:
+            loop.call_soon(self._commit_staged)
+        self.staged.append((call, row, probe, status, done))
+        row_id = await done
+        self._logged(call, status, probe, row_id)
+
+    def _commit_staged(self) -> None:
+        """Commit every staged record in one transaction and wake their hooks (an error: each hook's own)."""
+        staged, self.staged = self.staged, []
+        if not staged:
+            return
+        try:
+            assert self.writer is not None
+            results = self.writer.append_many([("calls", row, probe) for _, row, probe, _, _ in staged])
+        except Exception as error:
+            results = [error] * len(staged)
+        for (*_, done), result in zip(staged, results, strict=True):
+            if not done.done():
+                done.set_exception(result) if isinstance(result, Exception) else done.set_result(result)
+
     def error(self, flow: http.HTTPFlow) -> None:
+        try:
+            self._error(flow)
+        finally:
+            self.guard.error(flow)
+
+    def _error(self, flow: http.HTTPFlow) -> None:
         call: Call | None = flow.metadata.get("forge_call")
         if "forge_api" in flow.metadata:
             self._connected(flow)
@@ -891,7 +950,14 @@ class Forge:
         # The version as the call ends is asked off the event loop (vLLM answers between engine steps): the row
         # is logged now and held in the WAL until the answer completes it (at most writer.HOLD_S).
         probe = version is not None and not self.policy_version and call.replica is not None
-        row_id = self.writer.append("calls", checked_row("calls", row), hold=probe)
+        checked = checked_row("calls", row)
+        if call.group is not None:  # a whole answer: committed with the calls that end with it (``_commit``)
+            call.group.append((checked, probe, status))
+            return
+        self._logged(call, status, probe, self.writer.append("calls", checked, hold=probe))
+
+    def _logged(self, call: Call, status: str, probe: bool, row_id: int | None) -> None:
+        """What follows a call's record in the WAL (committed, or dropped at the disk bound: None)."""
         if row_id is not None:
             if call.moved_from is not None:
                 self.metrics.inc("replica_moves_total")
@@ -908,4 +974,4 @@ class Forge:
 
 
 forge = Forge()
-addons = [forge, PolicyGuard(forge.metrics)]
+addons = [forge]

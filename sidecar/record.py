@@ -10,6 +10,7 @@ Everything here is stdlib + pyarrow: it runs inside the sidecar environment and 
 
 import json
 import math
+from collections.abc import Callable
 from typing import Any, TypedDict
 
 import pyarrow as pa
@@ -223,19 +224,41 @@ def _coerce(value: Any, kind: pa.DataType) -> Any:
     return None
 
 
-def _coercer(kind: pa.DataType) -> Any:
-    """_coerce for one column type, with a fast path for a value already of the column's plain Python type."""
+def _fast_path(kind: pa.DataType) -> str | None:
+    """A Python test that a value ``v`` is already what ``_coerce`` would return for it (None: no fast path)."""
     if pa.types.is_string(kind):
-        return lambda value: value if type(value) is str and value.isascii() else _coerce(value, kind)
-    if pa.types.is_list(kind):
-        return lambda value: value if type(value) is bytes and len(value) % 4 == 0 else _coerce(value, kind)
-    return lambda value: _coerce(value, kind)
+        return "type(v) is str and v.isascii()"
+    if pa.types.is_integer(kind) or pa.types.is_timestamp(kind):
+        bits = kind.bit_width if pa.types.is_integer(kind) else 64
+        return f"type(v) is int and {-(1 << (bits - 1))} <= v < {1 << (bits - 1)}"
+    if pa.types.is_boolean(kind):
+        return "type(v) is bool"
+    if pa.types.is_list(kind):  # id columns travel packed (int32 / float32 bytes)
+        return "type(v) is bytes and len(v) % 4 == 0"
+    return None
 
 
-_COERCERS = {
-    table: [(field.name, _coercer(field.type)) for field in schema if field.name != "schema_version"]
-    for table, schema in TABLES.items()
-}
+def _compile_check(table: str, schema: pa.Schema) -> Callable[[Any], dict[str, Any]]:
+    """``checked_row`` for one table as one function, compiled once: per column an inline test of the common case
+    (a value already of the column's plain Python type), ``_coerce`` only for the rest."""
+    fields = [field for field in schema if field.name != "schema_version"]
+    lines = ["def check(row):", "    get = row.get", "    out = {}"]
+    scope: dict[str, Any] = {}
+    for i, field in enumerate(fields):
+        scope[f"k{i}"] = field.type
+        fast = _fast_path(field.type)
+        lines.append(f"    v = get({field.name!r})")
+        test = f"v is not None and not ({fast})" if fast else "v is not None"
+        lines += [f"    if {test}:", f"        v = coerce(v, k{i})", f"    out[{field.name!r}] = v"]
+    lines.append("    return out")
+    scope["coerce"] = _coerce
+    exec("\n".join(lines), scope)  # the column names are the schema's own identifiers, quoted by repr
+    check: Callable[[Any], dict[str, Any]] = scope["check"]
+    check.__qualname__ = f"checked_row[{table}]"
+    return check
+
+
+_CHECKS = {table: _compile_check(table, schema) for table, schema in TABLES.items()}
 
 
 def checked_row(table: str, row: CallRecord | dict[str, Any]) -> dict[str, Any]:
@@ -245,5 +268,4 @@ def checked_row(table: str, row: CallRecord | dict[str, Any]) -> dict[str, Any]:
     (a model name that is a number or a list), or dropped (null) where the column cannot hold it (an out-of-range
     integer, a non-finite reward); unknown keys are dropped.
     """
-    get = row.get
-    return {name: coerce(get(name)) for name, coerce in _COERCERS[table]}
+    return _CHECKS[table](row)

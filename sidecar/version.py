@@ -53,10 +53,10 @@ def version_text(answer: Any) -> str | None:
 
 
 class VersionClock:
-    def __init__(self, upstream: ParseResult, complete: Callable[[int, str | None], None]) -> None:
+    def __init__(self, upstream: ParseResult, complete: Callable[[list[int], str | None], None]) -> None:
         self.upstream = upstream
         self.port = upstream.port or (443 if upstream.scheme == "https" else 80)
-        self.complete = complete  # (WAL row id, version after the call) -> None
+        self.complete = complete  # (WAL row ids, the version after their calls) -> None
         self.in_flight: asyncio.Future[Asked] | None = None
         self.refused = False  # the last question found the server refusing connections (it is down)
         self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
@@ -131,10 +131,12 @@ class VersionClock:
 
     # -- after: in a worker thread ------------------------------------------------------------------------------
     def after(self, row_id: int) -> None:
-        """Ask the version once this call is done, then complete its WAL row."""
+        """Ask the version once this call is done, then complete its WAL row. The thread is woken only by the first
+        call of a batch (the calls after it join the question to come): no thread switch per call."""
         with self.lock:
             self.waiting.append(row_id)
-            self.lock.notify()
+            if len(self.waiting) == 1:
+                self.lock.notify()
 
     def _after_loop(self) -> None:
         connection: HTTPConnection | None = None
@@ -146,7 +148,7 @@ class VersionClock:
                     return
                 deadline = time.monotonic() + AFTER_WAIT_S  # the calls ending meanwhile share this question
                 while not self.stopped and (left := deadline - time.monotonic()) > 0:
-                    self.lock.wait(left)
+                    self.lock.wait(left)  # woken early only by stop (calls joining the batch do not notify)
                 rows, self.waiting = self.waiting, []
             version = None  # asked after every one of these calls was answered: one question serves them all
             for _ in range(2):
@@ -164,11 +166,10 @@ class VersionClock:
                 except (OSError, HTTPException, ValueError):
                     connection.close() if connection else None
                     connection = None
-            for row_id in rows:
-                try:
-                    self.complete(row_id, version)
-                except Exception as error:  # the WAL refused: the row goes on without it after its hold
-                    log.error("could not complete a record's version (%s)", error)
+            try:
+                self.complete(rows, version)  # every row at once: one WAL statement per question
+            except Exception as error:  # the WAL refused: the rows go on without it after their hold
+                log.error("could not complete %d records' version (%s)", len(rows), error)
 
     def stop(self) -> None:
         with self.lock:

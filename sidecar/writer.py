@@ -1,10 +1,11 @@
 """The record writer: a write-ahead log in SQLite, flushed to the store as Parquet files that appear atomically.
 
-Every record is committed to the WAL (``<wal-dir>/wal.sqlite``) before the harness gets its answer, so a
-``kill -9`` loses nothing delivered: SQLite's journal makes each commit atomic (a torn write rolls back only
-itself) and ``--fsync`` says when it reaches the disk: ``always`` (every commit, survives a machine crash),
-``interval`` (the default: a checkpoint each second, so a machine crash loses at most about a second; a process
-kill loses nothing) or ``never`` (the OS decides). Rows are plain JSON plus little-endian int32/float32 blobs for
+Every record is committed to the WAL (``<wal-dir>/wal.sqlite``) before the harness gets its answer (records of
+calls that end together may share one transaction: ``append_many``), so a ``kill -9`` loses nothing delivered:
+SQLite's journal makes each commit atomic (a torn write rolls back only itself) and ``--fsync`` says when it
+reaches the disk: ``always`` (every commit, survives a machine crash), ``interval`` (the default: a checkpoint each
+second, so a machine crash loses at most about a second; a process kill loses nothing) or ``never`` (the OS
+decides). Rows are plain JSON plus little-endian int32/float32 blobs for
 the ids, readable by any Python.
 
 The flusher thread cuts the pending rows of a table into numbered batches (by rows, bytes or age) and writes
@@ -53,6 +54,7 @@ CHECKPOINT_INTERVAL_S = 1.0
 # server's first steps took over 10 s; sidecar/version.py), with room for calls that ended while an earlier
 # question was out. Only a slow answer makes rows wait (the rows after a held one wait with it, to keep their order).
 HOLD_S = 45.0
+CUT_EVERY_S = 1.0  # how often the flusher looks for a batch to cut (unless --flush-seconds is shorter)
 MAX_EPISODE_COUNTERS = 100_000  # seq counters kept; the least recently used beyond this are forgotten
 # The id columns travel as packed little-endian bytes and become list arrays without a Python loop.
 ID_COLUMNS = {"prompt_suffix_ids": "i", "completion_token_ids": "i", "completion_logprobs": "f"}
@@ -85,6 +87,17 @@ def pack_floats(values: list[float]) -> bytes:
     if sys.byteorder == "big":
         packed.byteswap()
     return packed.tobytes()
+
+
+_INSERT = f"INSERT INTO records (tbl, size, logged_at, fields, {', '.join(_RAW)}) VALUES ({', '.join('?' * 9)})"
+
+
+def _encode(table: str, row: dict[str, Any]) -> tuple[str, str, list[Any], int]:
+    """A record as the WAL stores it: (table, its plain fields as JSON, the raw columns, its size in bytes)."""
+    fields = {k: v for k, v in row.items() if k not in _RAW}
+    text = codec.dumps_text(fields, default=str)
+    raw = [row.get(name) for name in _BLOBS] + [_text_or_none(row.get(name)) for name in _TEXTS]
+    return table, text, raw, len(text) + sum(len(value) for value in raw if value)
 
 
 def now_us() -> int:
@@ -223,45 +236,87 @@ class RecordWriter:
         """Log one record durably; its WAL row id, or None (and a metric) when the disk bound is reached: the
         record is dropped. ``hold``: a value of the record is still to come (``complete``); the row waits for it,
         at most ``HOLD_S``, before it goes into a batch."""
-        fields = {k: v for k, v in row.items() if k not in _RAW}
-        text = codec.dumps_text(fields, default=str)
-        raw = [row.get(name) for name in _BLOBS] + [_text_or_none(row.get(name)) for name in _TEXTS]
-        size = len(text) + sum(len(value) for value in raw if value)
+        encoded = _encode(table, row)
         with self.lock:
-            if self.pending_bytes + size > self.max_disk_bytes:
-                self.metrics.inc("records_dropped_total")
-                if self.metrics.get("records_dropped_total") % 100 == 1:
-                    log.error(
-                        "record dropped: the write-ahead log holds %d bytes, over its bound of %d (the store is "
-                        "unreachable or too slow); the harness's call was not affected",
-                        self.pending_bytes,
-                        self.max_disk_bytes,
-                    )
-                return None
-            row_id = int(
-                self.db.execute(
-                    f"INSERT INTO records (tbl, size, logged_at, fields, {', '.join(_RAW)}) "
-                    f"VALUES ({', '.join('?' * 9)})",
-                    (table, size, time.time(), text, *raw),
-                ).lastrowid
-                or 0
+            row_id = self._insert_locked(encoded, hold)
+        if row_id is not None:
+            self.metrics.inc("wal_commits_total")
+            self.metrics.inc(f'records_logged_total{{table="{table}"}}')
+        return row_id
+
+    def append_many(self, records: list[tuple[str, dict[str, Any], bool]]) -> list[int | Exception | None]:
+        """Group commit: log several records (table, row, hold) in one transaction, each as ``append`` would; per
+        record its row id, None (dropped at the disk bound) or the exception that kept it out. All are committed
+        when this returns, or none of a failed transaction is: then each is tried alone, so one record that cannot
+        be written never takes the others with it."""
+        if len(records) == 1:
+            return [self._append_or_error(*records[0])]
+        encoded = [(_encode(table, row), hold) for table, row, hold in records]
+        results: list[int | Exception | None] = []
+        try:
+            with self.lock:
+                bytes_before, held_before = self.pending_bytes, dict(self.held)
+                self.db.execute("BEGIN")
+                try:
+                    results = [self._insert_locked(one, hold) for one, hold in encoded]
+                    self.db.execute("COMMIT")
+                except BaseException:
+                    self.db.execute("ROLLBACK")  # nothing of it was committed: no row id handed out stands
+                    self.pending_bytes, self.held = bytes_before, held_before
+                    raise
+        except Exception as error:  # one at a time instead, each with its own outcome
+            log.warning(
+                "a group commit failed (%s: %s); its records are logged one by one", type(error).__name__, error
             )
-            self.pending_bytes += size
-            if hold:
-                self.held[row_id] = time.monotonic() + HOLD_S
-        self.metrics.inc(f'records_logged_total{{table="{table}"}}')
+            return [self._append_or_error(table, row, hold) for table, row, hold in records]
+        self.metrics.inc("wal_commits_total")
+        for (table, _, _), result in zip(records, results, strict=True):
+            if result is not None:
+                self.metrics.inc(f'records_logged_total{{table="{table}"}}')
+        return results
+
+    def _append_or_error(self, table: str, row: dict[str, Any], hold: bool) -> int | Exception | None:
+        try:
+            return self.append(table, row, hold)
+        except Exception as error:
+            return error
+
+    def _insert_locked(self, encoded: tuple[str, str, list[Any], int], hold: bool) -> int | None:
+        """One record into the WAL (lock held; committed at once unless inside a transaction)."""
+        table, text, raw, size = encoded
+        if self.pending_bytes + size > self.max_disk_bytes:
+            self.metrics.inc("records_dropped_total")
+            if self.metrics.get("records_dropped_total") % 100 == 1:
+                log.error(
+                    "record dropped: the write-ahead log holds %d bytes, over its bound of %d (the store is "
+                    "unreachable or too slow); the harness's call was not affected",
+                    self.pending_bytes,
+                    self.max_disk_bytes,
+                )
+            return None
+        row_id = int(self.db.execute(_INSERT, (table, size, time.time(), text, *raw)).lastrowid or 0)
+        self.pending_bytes += size
+        if hold:
+            self.held[row_id] = time.monotonic() + HOLD_S
         return row_id
 
     def complete(self, row_id: int, values: dict[str, Any]) -> None:
         """Set values of a held row (e.g. the weight version asked after the call) and release it."""
+        self.complete_many([row_id], values)
+
+    def complete_many(self, row_ids: list[int], values: dict[str, Any]) -> None:
+        """Set the same values in several held rows (one version question answers for every call it followed) and
+        release them: one statement, the JSON edited by SQLite."""
+        paths = ", ".join(f"'$.\"{key}\"', json(?)" for key in values)
+        encoded = [json.dumps(value, default=str) for value in values.values()]
         with self.lock:
-            if self.held.pop(row_id, None) is None:
-                self.metrics.inc("records_completed_late_total")  # already batched: the values stay unknown
-                return
-            found = self.db.execute("SELECT fields FROM records WHERE id = ?", (row_id,)).fetchone()
-            if found:
-                fields = {**json.loads(found[0]), **values}
-                self.db.execute("UPDATE records SET fields = ? WHERE id = ?", (json.dumps(fields, default=str), row_id))
+            waiting = [row_id for row_id in row_ids if self.held.pop(row_id, None) is not None]
+            if len(waiting) < len(row_ids):  # already batched: the values stay unknown
+                self.metrics.inc("records_completed_late_total", len(row_ids) - len(waiting))
+            if waiting and values:
+                rows = ", ".join("?" * len(waiting))
+                self.db.execute(f"UPDATE records SET fields = json_set(fields, {paths}) WHERE id IN ({rows})",
+                                (*encoded, *waiting))  # fmt: skip
 
     def pending(self) -> int:
         """Records not yet in the store."""
@@ -274,11 +329,16 @@ class RecordWriter:
         return self
 
     def _run(self) -> None:
+        last_cut = 0.0
         while not self.stopping.is_set():
             self.wake.wait(0.2)
             self.wake.clear()
             try:
-                self.cut_batches()
+                # Looking for a batch to cut reads every pending row with the lock held (appends wait): at most
+                # every CUT_EVERY_S, or every --flush-seconds when that is shorter.
+                if time.monotonic() - last_cut >= min(CUT_EVERY_S, self.max_age_s):
+                    last_cut = time.monotonic()
+                    self.cut_batches()
                 if time.monotonic() >= self.backoff_until:
                     self.flush_batches()
                 self._housekeeping()

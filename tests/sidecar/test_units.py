@@ -354,7 +354,9 @@ def test_a_version_after_the_call_that_takes_seconds_to_come_is_still_recorded(t
     threading.Thread(target=server.serve_forever, daemon=True).start()
     writer, store = make_writer(tmp_path, max_age_s=0.0)
     url = urlparse(f"http://127.0.0.1:{server.server_address[1]}")
-    clock = version.VersionClock(url, lambda row, v: writer.complete(row, {"policy_version_end": v}))  # as the addon
+    clock = version.VersionClock(
+        url, lambda rows, v: writer.complete_many(rows, {"policy_version_end": v})
+    )  # as the addon
     try:
         held = writer.append("calls", row(0), hold=True)
         assert held is not None
@@ -385,9 +387,9 @@ def test_a_fresh_version_answer_serves_the_next_call_and_a_stale_one_is_asked_ag
     from bench.fake_upstream import FakeUpstream
     from sidecar import version
 
-    completed: list[tuple[int, str | None]] = []
+    completed: list[tuple[list[int], str | None]] = []
     with FakeUpstream() as upstream:
-        clock = version.VersionClock(urlparse(upstream.url), lambda row, v: completed.append((row, v)))
+        clock = version.VersionClock(urlparse(upstream.url), lambda rows, v: completed.append((rows, v)))
         try:
 
             async def scenario() -> list[str | None]:
@@ -405,7 +407,7 @@ def test_a_fresh_version_answer_serves_the_next_call_and_a_stale_one_is_asked_ag
             deadline = time.monotonic() + 10
             while not completed and time.monotonic() < deadline:
                 time.sleep(0.01)
-            assert completed == [(7, "fake-2")] and clock.known is not None and clock.known[1] == "fake-2"
+            assert completed == [([7], "fake-2")] and clock.known is not None and clock.known[1] == "fake-2"
         finally:
             clock.stop()
 
@@ -421,7 +423,7 @@ def test_kept_alive_version_connections_the_server_closed_never_leave_a_version_
     from sidecar import version
 
     with FakeUpstream() as upstream, socket.create_server(("127.0.0.1", 0)) as closer:
-        clock = version.VersionClock(urlparse(upstream.url), lambda row, v: None)
+        clock = version.VersionClock(urlparse(upstream.url), lambda rows, v: None)
         try:
 
             async def scenario() -> str | None:
@@ -449,7 +451,7 @@ def test_a_version_answer_that_waits_for_a_long_engine_step_is_still_the_calls_v
     from sidecar import version
 
     with FakeUpstream(weight_delay_s=11.0) as upstream:  # one long engine step: longer than the old 10 s bound
-        clock = version.VersionClock(urlparse(upstream.url), lambda row, v: None)
+        clock = version.VersionClock(urlparse(upstream.url), lambda rows, v: None)
         try:
             assert asyncio.run(clock.before()) == ("fake-1", None)
         finally:
@@ -457,7 +459,7 @@ def test_a_version_answer_that_waits_for_a_long_engine_step_is_still_the_calls_v
     with socket.socket() as unused:  # a port nobody listens on
         unused.bind(("127.0.0.1", 0))
         port = unused.getsockname()[1]
-    clock = version.VersionClock(urlparse(f"http://127.0.0.1:{port}"), lambda row, v: None)
+    clock = version.VersionClock(urlparse(f"http://127.0.0.1:{port}"), lambda rows, v: None)
     try:
         asked = asyncio.run(clock.before())
         assert asked.version is None and "refused" in (asked.why or "")
@@ -488,7 +490,7 @@ def test_a_version_answer_with_an_oversized_header_is_an_unknown_version_not_an_
 
         threading.Thread(target=answer, daemon=True).start()
         host, port = server.getsockname()
-        clock = version.VersionClock(urlparse(f"http://{host}:{port}"), lambda row, v: None)
+        clock = version.VersionClock(urlparse(f"http://{host}:{port}"), lambda rows, v: None)
         try:
             assert asyncio.run(clock.before()).version is None
         finally:
