@@ -15,12 +15,11 @@ import os
 import statistics
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 
 from trainer.loop import Trainer, TrainSettings
-from trainer.serve import PolicyServer, default_checkpoint, free_port
+from trainer.serve import PolicyServer, default_checkpoint, free_port, start_together
 
 
 def nudge(engine) -> None:
@@ -54,10 +53,9 @@ def main() -> None:
         if not url:
             servers = [PolicyServer(model=default_checkpoint(), port=free_port(), max_model_len=2048,
                                     run_dir=Path(store) / f"vllm-{n}") for n in range(args.replicas)]  # fmt: skip
-            with ThreadPoolExecutor(len(servers)) as pool:  # started together: each start is mostly waiting
-                for server in servers:
-                    stack.callback(server.stop)
-                list(pool.map(lambda server: server.start(), servers))
+            for server in servers:
+                stack.callback(server.stop)
+            start_together(servers)
             url = ",".join(server.base_url for server in servers)
         trainer = Trainer(TrainSettings(store=store, policy_url=url, run="bench", lora_rank=args.lora_rank))
         trainer.engine  # noqa: B018 — built (and v0 verified) before timing

@@ -14,7 +14,6 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -25,7 +24,7 @@ from sidecar.replicas import rendezvous
 from tests.sidecar.conftest import SidecarFactory, read_calls, wait_for
 from tests.trainer.recording import sample
 from trainer import teacher
-from trainer.serve import PolicyServer, default_checkpoint, free_port
+from trainer.serve import PolicyServer, default_checkpoint, free_port, start_together
 
 pytestmark = pytest.mark.integration
 
@@ -40,8 +39,7 @@ def servers(prepared_model, tmp_path_factory) -> Iterator[list[PolicyServer]]:
                             run_dir=tmp_path_factory.mktemp(f"vllm-replica-{n}"), start_timeout=300.0)
                for n in range(2)]  # fmt: skip
     try:
-        with ThreadPoolExecutor(2) as pool:
-            list(pool.map(lambda server: server.start(), started))
+        start_together(started)
         yield started
     finally:
         for server in started:
@@ -133,7 +131,11 @@ class RoundRobin:
                 return
             target = self.targets[self.turn % len(self.targets)]
             self.turn += 1
-            upstream = socket.create_connection(target)
+            try:
+                upstream = socket.create_connection(target)
+            except OSError:
+                client.close()
+                continue
             for a, b in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
 
