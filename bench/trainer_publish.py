@@ -74,6 +74,7 @@ def main() -> None:
             for key, value in result.seconds.items():
                 seconds[key].append(value)
             split = ", ".join(f"{k} {v:.2f}" for k, v in trainer.last_verify_split.items())
+            split += "; load = " + ", ".join(f"{k} {v:.2f}" for k, v in trainer.replicas.last_split.items())
             print(f"v{version}: {total:.2f} s ({', '.join(f'{k} {v:.2f}' for k, v in result.seconds.items())}; "
                   f"verify = {split}); probe |server - trainer| {result.probe_diff:.1e} "
                   f"(its answer before the load {result.probe_diff_old:.1e})")  # fmt: skip

@@ -294,6 +294,7 @@ class PolicyReplicas:
         self.timeout = timeout
         self.resolver = resolver
         self.known: dict[str, PolicyClient] = {}
+        self.last_split: dict[str, float] = {}  # the last switch's seconds: pause, load_reset, version, resume
 
     @property
     def base_url(self) -> str:
@@ -352,7 +353,10 @@ class PolicyReplicas:
     ) -> dict[str, str]:  # fmt: skip
         """Pause every replica, load each and reset its prefix cache, set the version on each that loaded, resume
         every one (also those that failed: none stays paused). Returns the replicas left out: URL -> why."""
+        split = self.last_split = {}
+        started = time.perf_counter()
         failed = self.each(clients, lambda c: c.pause())
+        split["pause"] = time.perf_counter() - started
         try:
             ready = [c for c in clients if c.base_url not in failed]
 
@@ -360,10 +364,16 @@ class PolicyReplicas:
                 load(client)
                 client.reset_prefix_cache()
 
+            started = time.perf_counter()
             failed |= self.each(ready, load_and_reset)
+            split["load_reset"] = time.perf_counter() - started
+            started = time.perf_counter()
             failed |= self.each([c for c in ready if c.base_url not in failed], lambda c: c.set_version(version))
+            split["version"] = time.perf_counter() - started
         finally:
+            started = time.perf_counter()
             resumed = self.each(clients, lambda c: c.resume())
+            split["resume"] = time.perf_counter() - started
             for url, why in resumed.items():
                 failed.setdefault(url, f"resume: {why}")
         return failed

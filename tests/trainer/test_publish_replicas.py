@@ -92,6 +92,7 @@ def calls_through_sidecar(tmp_path: Path, servers: list[PolicyServer], episodes:
     """One chat call per episode through a real sidecar over both replicas, once its health poll has judged them
     (``out_of_step``: the replica it must report out of step; None: every one in step); the records and metrics."""
     urls = [server.base_url for server in servers]
+    tmp_path.mkdir(parents=True, exist_ok=True)
     sidecars = SidecarFactory(tmp_path)
     try:
         sidecar = sidecars(",".join(urls), episode_id=None, extra=("--health-seconds", "0.5"))
@@ -237,7 +238,7 @@ def test_a_replica_killed_mid_publish_leaves_the_others_published_and_routed_to(
     served_by(a, prompt, checkpoint(store, 4), previous=checkpoint(store, 3), seed=6)
     urls = [a.base_url, b.base_url]
     episodes = [e for e in (f"killed-{n}" for n in range(200)) if rendezvous(e, urls) == b.base_url][:2]
-    sidecars = SidecarFactory(tmp_path / "killed")
+    sidecars = SidecarFactory(tmp_path)
     try:
         sidecar = sidecars(",".join(urls), episode_id=None, extra=("--health-seconds", "0.5"))
         wait_for(lambda: sidecar.metrics().get(f'replica_up{{replica="{b.base_url}"}}') == 0, timeout=30,
