@@ -29,6 +29,7 @@ from trainer.serve import PolicyServer, default_checkpoint, free_port, start_tog
 pytestmark = pytest.mark.integration
 
 QUESTION = [{"role": "user", "content": "Write one short sentence about the sea."}]
+POLL_OFTEN = ("--health-seconds", "0.5")  # the sidecar's health poll (and step judgment) twice a second
 FP32_BOUND = 2e-4  # |served − teacher-forced| under the checkpoint that served it (fp32 serving measured ~1e-5)
 
 
@@ -95,7 +96,7 @@ def calls_through_sidecar(tmp_path: Path, servers: list[PolicyServer], episodes:
     tmp_path.mkdir(parents=True, exist_ok=True)
     sidecars = SidecarFactory(tmp_path)
     try:
-        sidecar = sidecars(",".join(urls), mode=f"reverse:{urls[0]}", episode_id=None, extra=("--health-seconds", "0.5"))
+        sidecar = sidecars(",".join(urls), mode=f"reverse:{urls[0]}", episode_id=None, extra=POLL_OFTEN)
         expected = {url: (1 if url == out_of_step else 0) for url in urls}
         metrics = wait_for(
             lambda: (m := sidecar.metrics()) and all(m.get(f'replica_out_of_step{{replica="{u}"}}') == v
@@ -240,7 +241,7 @@ def test_a_replica_killed_mid_publish_leaves_the_others_published_and_routed_to(
     episodes = [e for e in (f"killed-{n}" for n in range(200)) if rendezvous(e, urls) == b.base_url][:2]
     sidecars = SidecarFactory(tmp_path)
     try:
-        sidecar = sidecars(",".join(urls), mode=f"reverse:{urls[0]}", episode_id=None, extra=("--health-seconds", "0.5"))
+        sidecar = sidecars(",".join(urls), mode=f"reverse:{urls[0]}", episode_id=None, extra=POLL_OFTEN)
         wait_for(lambda: sidecar.metrics().get(f'replica_up{{replica="{b.base_url}"}}') == 0, timeout=30,
                  what="the killed replica reported down")  # fmt: skip
         for episode in episodes:
