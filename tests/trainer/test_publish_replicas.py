@@ -160,10 +160,10 @@ class RoundRobin:
 def test_a_load_balanced_url_in_front_of_several_replicas_is_refused_in_one_line(servers, tmp_path):
     balancer = RoundRobin(servers)
     try:
-        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-        result = subprocess.run([sys.executable, "-m", "forge", "train", "--store", str(tmp_path), "--policy-url",
-                                 f"http://127.0.0.1:{balancer.port}"], capture_output=True, text=True, timeout=300,
-                                env=env)  # fmt: skip
+        args = ["train", "--store", str(tmp_path), "--policy-url", f"http://127.0.0.1:{balancer.port}",
+                "--wait-timeout", "5"]  # fmt: skip
+        result = subprocess.run([sys.executable, "-m", "forge", *args], capture_output=True, text=True, timeout=300,
+                                env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
     finally:
         balancer.close()
     assert result.returncode == 2, result.stderr
