@@ -451,8 +451,8 @@ class Trainer:
             whys = "; ".join(f"{url}: {why}" for url, why in failed.items())
             raise PublishError(whys if len(clients) == 1 else f"publish of v{version} landed on no replica: {whys}")
         for url, why in failed.items():
-            self.echo(f"forge train: v{version} left out the policy replica {url} (relabelled "
-                      f"left-out-v{version}; the sidecars route around it): {why}")  # fmt: skip
+            self.echo(f"forge train: v{version} left out the policy replica {url} (its version is now "
+                      f"left-out-v{version} where it answers; the sidecars route around it): {why}")  # fmt: skip
         return landed
 
     def verify(
