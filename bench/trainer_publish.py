@@ -1,10 +1,13 @@
-"""Publish seconds: from the end of an update to a verified new version being served, split into checkpoint
-write, load (pause, reload or adapter unload+load, prefix-cache reset, version, resume) and verification (the
-server's probe; the trainer's probe of the new weights runs beside the load, and "verify" is only what is left of it).
+"""Publish seconds: from the end of an update to a verified new version being served on every replica, split into
+checkpoint write, load (pause every replica, reload or adapter unload+load, prefix-cache reset, version, resume every
+one) and verification (each replica's probe; the trainer's probe of the new weights runs beside the load, and
+"verify" is only what is left of it).
 
-Starts its own vLLM server (fp32 SmolLM2 on CPU) unless --policy-url names one whose weights it may change.
+Starts its own vLLM servers (--replicas of them, fp32 SmolLM2 on CPU) unless --policy-url names replicas whose
+weights it may change (a list, or dns+http://NAME:PORT). Prints each publish, then the minimum and the median total
+over the publishes (the first publish is counted: each is a new version).
 
-    .venv/bin/python bench/trainer_publish.py --publishes 3 [--lora-rank 8]
+    .venv/bin/python bench/trainer_publish.py --replicas 1 --publishes 5 --update [--lora-rank 8]
 """
 
 import argparse
@@ -16,7 +19,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from trainer.loop import Trainer, TrainSettings
-from trainer.serve import PolicyServer, default_checkpoint, free_port
+from trainer.serve import PolicyServer, default_checkpoint, free_port, start_together
 
 
 def nudge(engine) -> None:
@@ -41,28 +44,37 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--publishes", type=int, default=3)
     parser.add_argument("--lora-rank", type=int, default=0)
-    parser.add_argument("--policy-url")
+    parser.add_argument("--policy-url", help="Replicas to publish to (default: start --replicas servers here).")
+    parser.add_argument("--replicas", type=int, default=1, help="vLLM servers to start (without --policy-url).")
     parser.add_argument("--update", action="store_true", help="One update before each publish (weights move).")
     args = parser.parse_args()
     with ExitStack() as stack, tempfile.TemporaryDirectory() as store:
         url = args.policy_url
         if not url:
-            server = PolicyServer(model=default_checkpoint(), port=free_port(), max_model_len=2048,
-                                  run_dir=Path(store) / "vllm")  # fmt: skip
-            stack.enter_context(server)
-            url = server.base_url
+            servers = [PolicyServer(model=default_checkpoint(), port=free_port(), max_model_len=2048,
+                                    run_dir=Path(store) / f"vllm-{n}") for n in range(args.replicas)]  # fmt: skip
+            for server in servers:
+                stack.callback(server.stop)
+            start_together(servers)
+            url = ",".join(server.base_url for server in servers)
         trainer = Trainer(TrainSettings(store=store, policy_url=url, run="bench", lora_rank=args.lora_rank))
         trainer.engine  # noqa: B018 — built (and v0 verified) before timing
+        replicas = len(trainer.replicas.clients())
         seconds: dict[str, list[float]] = {"write": [], "load": [], "verify": []}
+        totals: list[float] = []
         for version in range(1, args.publishes + 1):
             if args.update:
                 nudge(trainer.engine)
             started = time.perf_counter()
             result = trainer.publish(version)
             total = time.perf_counter() - started
+            totals.append(total)
+            if result.left_out:
+                print(f"v{version}: left out {result.left_out}")
             for key, value in result.seconds.items():
                 seconds[key].append(value)
             split = ", ".join(f"{k} {v:.2f}" for k, v in trainer.last_verify_split.items())
+            split += "; load = " + ", ".join(f"{k} {v:.2f}" for k, v in trainer.replicas.last_split.items())
             print(f"v{version}: {total:.2f} s ({', '.join(f'{k} {v:.2f}' for k, v in result.seconds.items())}; "
                   f"verify = {split}); probe |server - trainer| {result.probe_diff:.1e} "
                   f"(its answer before the load {result.probe_diff_old:.1e})")  # fmt: skip
@@ -70,9 +82,11 @@ def main() -> None:
         medians = {k: statistics.median(v) for k, v in seconds.items()}
         print(f"load average during the run: {' '.join(f'{x:.2f}' for x in os.getloadavg())} (1/5/15 min)")
         print(
-            f"publish, {kind}: median {sum(medians.values()):.2f} s = "
+            f"publish, {kind}, {replicas} replica(s): median parts {sum(medians.values()):.2f} s = "
             + " + ".join(f"{k} {v:.2f}" for k, v in medians.items())
         )
+        print(f"publish total, {replicas} replica(s), {len(totals)} publishes: min {min(totals):.2f} s, "
+              f"median {statistics.median(totals):.2f} s")  # fmt: skip
 
 
 if __name__ == "__main__":

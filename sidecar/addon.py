@@ -68,7 +68,7 @@ from sidecar.request_delta import RequestDelta, RequestIndex
 from sidecar.response_store import NotFound, ResponseStore, input_items
 from sidecar.sse import EventFramer
 from sidecar.store import open_store
-from sidecar.version import Asked, VersionClock
+from sidecar.version import Asked, VersionClock, version_text
 from sidecar.writer import RecordWriter, now_us, pack_floats, pack_ids
 
 log = logging.getLogger("openforge.sidecar")
@@ -77,6 +77,7 @@ _STRIPPED = tuple(name.encode() for name in (identity.EPISODE_HEADER, identity.T
 DEFAULT_MODEL_HOSTS = "api.openai.com,api.anthropic.com"
 MAX_RECORDED_BODY = 4 << 20  # bodies bigger than this are recorded as a note, not copied
 CONTEXT_RETRY_S = 10.0  # how often calls may ask a policy server that did not say its context (max_model_len)
+VERSION_POLL_TIMEOUT_S = 5.0  # the health poll's version question (answered between two engine steps)
 PROBE_TIMEOUT_S = 2.0  # a replica that does not accept a connection within this is taken as down
 
 
@@ -300,6 +301,8 @@ class Forge:
         context = policy_context(listed, self.policy_model)
         if context is not None:
             replica.context = context
+        if self.policy_model is not None:
+            replica.serves_policy = self.policy_model in {str(model.get("id")) for model in listed}
 
     async def _learn_context(self, replica: Replica) -> None:
         try:
@@ -321,6 +324,7 @@ class Forge:
                     replicas = self.replicas.all()
                     for replica, failure in zip(replicas, pool.map(self._poll, replicas), strict=True):
                         self._mark(replica, failure is None, failure)
+                    self._judge_step()
                     self._replica_metrics()
                 except Exception as error:  # the poller never dies
                     self._internal_error("policy poll", error)
@@ -337,13 +341,31 @@ class Forge:
             del self.context_asked[url]
         for url in self.replicas.gone:
             self.metrics.remove(f'replica_up{{replica="{url}"}}')
+            self.metrics.remove(f'replica_out_of_step{{replica="{url}"}}')
 
     def _poll(self, replica: Replica) -> str | None:
         try:
             self._ask_models(replica)
-            return None
         except Exception as error:
             return f"{type(error).__name__}: {getattr(error, 'reason', error)}"
+        if len(self.replicas.all()) > 1:  # whether it is in step with the others (ReplicaSet.judge_step)
+            try:
+                with urllib.request.urlopen(f"{replica.url}/is_paused", timeout=VERSION_POLL_TIMEOUT_S) as answer:
+                    replica.paused = bool(json.load(answer).get("is_paused"))
+                with urllib.request.urlopen(f"{replica.url}/weight_info", timeout=VERSION_POLL_TIMEOUT_S) as answer:
+                    replica.version = version_text(json.load(answer))
+            except Exception:  # a busy engine answers late: its step is judged at a later poll
+                replica.paused = True  # not judged now
+        return None
+
+    def _judge_step(self) -> None:
+        """Replicas out of step (another version than the others', or not serving the policy) take no call."""
+        for replica, why in self.replicas.judge_step():
+            if why is None:
+                log.warning("policy replica %s is in step again: it takes calls", replica.url)
+            else:
+                self.metrics.inc("replica_out_of_step_total")
+                log.warning("policy replica %s is out of step (%s): its episodes move to the others", replica.url, why)
 
     def _mark(self, replica: Replica, up: bool, reason: str | None = None) -> None:
         was = replica.up
@@ -359,6 +381,7 @@ class Forge:
         replicas = self.replicas.all()
         for replica in replicas:
             self.metrics.set(f'replica_up{{replica="{replica.url}"}}', 1 if replica.up else 0)
+            self.metrics.set(f'replica_out_of_step{{replica="{replica.url}"}}', 1 if replica.out_of_step else 0)
         self.metrics.set("upstream_up", 1 if any(r.up for r in replicas) else 0)
 
     def _clock(self, replica: Replica) -> VersionClock:

@@ -13,6 +13,11 @@ connection marked it down, or DNS no longer lists it), only its episodes move �
 ranks highest for it — and the call records which replica it moved from. A replica that comes back takes new
 episodes, not the ones that moved away (they now have their prefix cache where they are).
 
+A replica out of step — up, but serving another policy version than the newest the others serve (one a publish
+left out: ``left-out-v<n>``; one that came back with old weights), or not serving the policy's name — takes no call
+while another replica is in step: its episodes move as from a replica that is down (``judge_step``). A paused
+replica (a publish under way) is not judged: its version moves while it is.
+
 Stdlib only: it runs inside the sidecar environment.
 """
 
@@ -125,6 +130,10 @@ class Replica:
     reason: str | None = None  # why it was last marked down
     context: int | None = None  # its max_model_len (GET /v1/models)
     origin: str | None = None  # the dns+ upstream that listed it (None: named itself)
+    version: str | None = None  # its weight version at the last poll (None: not known)
+    paused: bool = False  # paused at the last poll (a publish under way)
+    serves_policy: bool = True  # the policy's served name was in its model list at the last poll
+    out_of_step: str | None = None  # why it takes no call although up (judge_step); None: in step
 
     @property
     def netloc(self) -> str:
@@ -228,7 +237,8 @@ class ReplicaSet:
         the live replicas in turn. With none live, the episode's own (the caller then finds it down)."""
         excluded = set(exclude)
         with self.lock:
-            candidates = [r for r in self.replicas.values() if r.up is not False and r.url not in excluded]
+            live = [r for r in self.replicas.values() if r.up is not False and r.url not in excluded]
+            candidates = [r for r in live if r.out_of_step is None] or live
             if not candidates:
                 candidates = [r for r in self.replicas.values() if r.url not in excluded] or list(
                     self.replicas.values()
@@ -248,10 +258,33 @@ class ReplicaSet:
             if previous is not None:
                 was = self.replicas.get(previous)
                 if was is not None:
-                    why = was.reason or ("unreachable" if previous in excluded else "down")
+                    why = was.reason or was.out_of_step or ("unreachable" if previous in excluded else "down")
                 else:
                     why = self.gone.get(previous, "gone")
             return Route(chosen, previous, why)
+
+    def judge_step(self) -> list[tuple[Replica, str | None]]:
+        """Mark each up, unpaused replica in or out of step with the others (at least two up): out when it does not
+        serve the policy's name, or serves another version than the newest numbered one among the up replicas.
+        Returns the replicas whose state changed, with why (None: back in step)."""
+        changed: list[tuple[Replica, str | None]] = []
+        with self.lock:
+            up = [r for r in self.replicas.values() if r.up]
+            numbered = [int(r.version) for r in up if r.version is not None and r.version.isdigit()]
+            newest = str(max(numbered)) if numbered else None
+            for replica in self.replicas.values():
+                if replica.paused and replica.up:
+                    continue
+                why = None
+                if replica.up and len(up) > 1:
+                    if not replica.serves_policy:
+                        why = "does not serve the policy"
+                    elif newest is not None and replica.version is not None and replica.version != newest:
+                        why = f"serves version {replica.version}, the others {newest}"
+                if why != replica.out_of_step:
+                    replica.out_of_step = why
+                    changed.append((replica, why))
+        return changed
 
     def served(self, episode: str, replica: Replica) -> None:
         """Remember where an episode's call went (its next call sticks there)."""

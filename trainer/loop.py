@@ -12,7 +12,8 @@ One round, top to bottom (``Trainer.step``):
      trainer's recomputed value either way.
   4. update — ``PolicyEngine.update`` (veRL's TrainingWorker + ppo_loss; ``--prefix-packing``: the token prefixes
      that rows share computed once per micro-batch, ``trainer.packing``).
-  5. publish v+1 — checkpoint, load, cache reset, version, probe verification (``trainer.publish``).
+  5. publish v+1 — checkpoint, load, cache reset, version, probe verification (``trainer.publish``), on every
+     policy replica (``--policy-url``: a list, or ``dns+http://NAME:PORT``); one that fails is left out.
   6. commit — the engine's checkpoint (weights, optimizer) and ``state.json`` (step, version, trained episode ids),
      written after the publish landed; a crash before the commit replays the step from the last commit, so the
      committed state never holds an episode twice.
@@ -58,6 +59,7 @@ from trainer.publish import (
     PROBE_STEPS,
     TOLERANCE,
     PolicyClient,
+    PolicyReplicas,
     PublishError,
     PublishResult,
     mean_abs_diff,
@@ -218,8 +220,9 @@ class Trainer:
         self.model_dir = Path(settings.model_dir or default_checkpoint("float32"))
         if not (self.model_dir / "config.json").is_file():
             raise ForgeError(f"no HF checkpoint at {self.model_dir}: run `forge model prepare` or pass --model")
-        self.client = PolicyClient(settings.policy_url)
-        self.served_model = self.client.check()
+        self.replicas = PolicyReplicas(settings.policy_url)
+        self.served_model = self.replicas.check()
+        self.client: PolicyClient = self.replicas.clients()[0]  # the first replica (the only one, often)
         self.state = TrainState()
         state_file = self.state_dir / "state.json"
         if settings.resume and state_file.is_file():
@@ -235,9 +238,10 @@ class Trainer:
         self._engine: Any = None
         self._verify_v0 = False
         self.last_verify_split: dict[str, float] = {}
-        # The server's last probe answer (the ids it sampled after PROBE_IDS and their logprobs): what it served before
-        # the next publish, to tell a publish that did not land from one that did.
-        self.server_probe: tuple[list[int], list[float]] | None = None
+        # Each replica's last probe answer (the ids it sampled after PROBE_IDS and their logprobs): what it served
+        # before the next publish, to tell a publish that did not land from one that did.
+        self.server_probe: dict[str, tuple[list[int], list[float]]] = {}
+        self.left_out: dict[str, str] = {}  # the last publish's replicas left out: URL -> why
         self._claim_server()
 
     @property
@@ -267,9 +271,10 @@ class Trainer:
 
     def _claim_server(self) -> None:
         """The server serves this run's committed version: set it at the start, re-published on a resume."""
-        served = self.client.weight_version()
+        versions = {client.base_url: client.weight_version() for client in self.replicas.clients()}
+        served = ", ".join(sorted({str(v) for v in versions.values()}))
         if self.state.step == 0 and self.state.version == 0:
-            if served not in (None, "None", "default", "0"):
+            if set(versions.values()) - {None, "None", "default", "0"}:
                 self.echo(f"forge train: the policy server reported version {served}; it is now version 0 of run "
                           f"{self.settings.run}")  # fmt: skip
 
@@ -278,20 +283,20 @@ class Trainer:
             # the policy's name, so every version of the run, v0 too, is served under one name.
             adapter = self._write(0) if self.settings.lora_rank else None
 
-            def load_base() -> None:  # with LoRA too: the adapter's base is the base checkpoint, whatever was served
-                self.client.load_full(self.model_dir)
+            def load_base(client: PolicyClient) -> None:  # with LoRA too: the adapter's base is the base checkpoint
+                client.load_full(self.model_dir)
                 if adapter is not None:
-                    self.client.load_adapter(self.adapter_name, adapter)
+                    client.load_adapter(self.adapter_name, adapter)
 
-            self._switch(load_base, 0)
+            self._left_out(self.replicas.clients(), self._switch(load_base, 0), 0)
             if self._engine is not None:  # built for the adapter: verify now, else with the first batch
                 self.verify(0, str(adapter))
             else:
                 self._verify_v0 = True
-        elif served != str(self.state.version):
+        elif set(versions.values()) != {str(self.state.version)}:
             self.echo(f"forge train: resuming at v{self.state.version}; the server had {served}: re-publishing")
             self.publish(self.state.version)
-        self.echo(f"forge train: the policy is served as {self.policy_name!r} by {self.client.base_url} (give the "
+        self.echo(f"forge train: the policy is served as {self.policy_name!r} by {self.replicas.base_url} (give the "
                   f"sidecars --policy-model {self.policy_name})")  # fmt: skip
 
     # ---- one round -------------------------------------------------------------------------------------------
@@ -349,6 +354,7 @@ class Trainer:
             "tokens_per_s": tokens / update_s if update_s else 0.0,
             "publish_s": sum(published.seconds.values()), **{f"publish_{k}_s": v for k, v in published.seconds.items()},
             "probe_diff": published.probe_diff, "probe_diff_old": published.probe_diff_old,
+            "replicas": len(published.replicas), "replicas_left_out": published.left_out,
             # What went through the model (trainer.packing): tokens, and positions whose logits were computed
             **{k.split("/")[1]: v for k, v in update.items() if k.startswith("packing/")},
         })  # fmt: skip
@@ -396,24 +402,27 @@ class Trainer:
 
     # ---- publish and commit ----------------------------------------------------------------------------------
     def publish(self, version: int) -> PublishResult:
-        """Write, then switch the server (paused) and probe it: its answer must be the new weights'."""
+        """Write, then switch every replica (paused) and probe each: its answer must be the new weights'."""
         seconds: dict[str, float] = {}
         started = time.perf_counter()
         path = self._write(version)
         seconds["write"] = time.perf_counter() - started
-        before = self.server_probe or self.client.probe(self.policy_name, PROBE_IDS, PROBE_STEPS)
+        clients = self.replicas.clients()
+        before = {c.base_url: self.server_probe.get(c.base_url) or c.probe(self.policy_name, PROBE_IDS, PROBE_STEPS)
+                  for c in clients}  # fmt: skip
         with ThreadPoolExecutor(1, thread_name_prefix="forge-probe") as pool:
             # The engine teacher-forces the server's previous probe ids while the server loads: one update rarely
             # changes them (when it does, verify computes the new ones after the server's answer).
-            guess = pool.submit(self._probe_logprobs, before[0])
+            guess_ids = before[clients[0].base_url][0]
+            guess = pool.submit(self._probe_logprobs, guess_ids)
             started = time.perf_counter()
             if self.settings.lora_rank:
-                self._switch(lambda: self.client.load_adapter(self.adapter_name, path), version)
+                failed = self._switch(lambda c: c.load_adapter(self.adapter_name, path), version, clients)
             else:
-                self._switch(lambda: self.client.load_full(path), version)
+                failed = self._switch(lambda c: c.load_full(path), version, clients)
             seconds["load"] = time.perf_counter() - started
             started = time.perf_counter()
-            result = self.verify(version, str(path), before, guess)
+            result = self.verify(version, str(path), before, (guess_ids, guess), failed, clients)
             seconds["verify"] = time.perf_counter() - started
         result.seconds = seconds
         return result
@@ -422,47 +431,82 @@ class Trainer:
         return write_checkpoint(self.store, self.settings.run, version, self.engine.save_weights, self.model_dir,
                                 self.state_dir)  # fmt: skip
 
-    def _switch(self, load: Callable[[], None], version: int) -> None:
-        """Paused, so nothing is computed between the load and the version: a call whose tokens meet the new weights
-        ends after the version changed, and the sidecar records it as spanning both."""
-        self.client.pause()
-        try:
-            load()
-            self.client.reset_prefix_cache()
-            self.client.set_version(version)
-        finally:
-            self.client.resume()
+    def _switch(
+        self, load: Callable[[PolicyClient], None], version: int, clients: list[PolicyClient] | None = None
+    ) -> dict[str, str]:  # fmt: skip
+        """Every replica paused, so nothing is computed between the load and the version: a call whose tokens meet
+        the new weights ends after the version changed, and the sidecar records it as spanning both. Returns the
+        replicas that failed (URL -> why); every one is resumed."""
+        return self.replicas.switch(clients or self.replicas.clients(), load, version)
+
+    def _left_out(self, clients: list[PolicyClient], failed: dict[str, str], version: int) -> list[str]:
+        """Relabel the replicas that failed (no sidecar routes to them), say which; the ones that landed, or
+        PublishError when none did."""
+        for client in clients:
+            if client.base_url in failed:
+                self.replicas.leave_out(client, version)
+        self.left_out = dict(failed)
+        landed = [c.base_url for c in clients if c.base_url not in failed]
+        if not landed:
+            whys = "; ".join(f"{url}: {why}" for url, why in failed.items())
+            raise PublishError(whys if len(clients) == 1 else f"publish of v{version} landed on no replica: {whys}")
+        for url, why in failed.items():
+            self.echo(f"forge train: v{version} left out the policy replica {url} (its version is now "
+                      f"left-out-v{version} where it answers; the sidecars route around it): {why}")  # fmt: skip
+        return landed
 
     def verify(
-        self, version: int, path: str, before: tuple[list[int], list[float]] | None = None,
-        guess: Future | None = None,
+        self, version: int, path: str, before: dict[str, tuple[list[int], list[float]]] | None = None,
+        guess: tuple[list[int], Future] | None = None, failed: dict[str, str] | None = None,
+        clients: list[PolicyClient] | None = None,
     ) -> PublishResult:  # fmt: skip
-        """The server's probe — its seeded continuation of PROBE_IDS and those tokens' logprobs — is the trainer's
-        under the new weights (teacher-forcing the server's ids), and, where the update moved them, not what the
-        server answered before (``before``: the server's probe answer before the load; ``guess``: the engine's
-        logprobs of ``before``'s ids, computed meanwhile)."""
+        """Each replica's probe — its seeded continuation of PROBE_IDS and those tokens' logprobs — is the trainer's
+        under the new weights (teacher-forcing the replica's ids), and, where the update moved them, not what the
+        replica answered before (``before``: each replica's probe answer before the load; ``guess``: ids and the
+        engine's logprobs of them, computed meanwhile). A replica that fails (or ``failed`` already) is left out."""
+        clients = clients or self.replicas.clients()
+        failed = dict(failed or {})
         started = time.perf_counter()
-        ids, served = self.client.probe(self.policy_name, PROBE_IDS, PROBE_STEPS)
+        answers: dict[str, tuple[list[int], list[float]]] = {}
+
+        def probe(client: PolicyClient) -> None:
+            answers[client.base_url] = client.probe(self.policy_name, PROBE_IDS, PROBE_STEPS)
+            if (served_version := client.weight_version()) != str(version):
+                raise PublishError(f"the policy server reports version {served_version}, not {version}")
+
+        failed |= self.replicas.each([c for c in clients if c.base_url not in failed], probe)
         server_s = time.perf_counter() - started
         started = time.perf_counter()
-        guessed = guess.result() if guess is not None else None  # the engine is free again: never used twice at once
-        new = guessed if guessed is not None and before is not None and ids == before[0] else self._probe_logprobs(ids)
-        self.last_verify_split = {"server_probe": server_s, "trainer_probe": time.perf_counter() - started}
-        old_ids, old = before if before is not None else (ids, new)
-        diff, diff_old = mean_abs_diff(served, new), mean_abs_diff(served, old)
+        forced: dict[tuple[int, ...], list[float]] = {}
+        if guess is not None:
+            forced[tuple(guess[0])] = guess[1].result()  # the engine is free again: never used twice at once
         tolerance = TOLERANCE.get(self.settings.serving_dtype, TOLERANCE["auto"])
-        if self.client.weight_version() != str(version):
-            raise PublishError(f"the policy server reports version {self.client.weight_version()}, not {version}")
-        # Same ids as before: the logprobs must have moved as the weights did. Other ids: the server's own seeded
-        # sample changed, which unchanged weights do not do.
-        moved = mean_abs_diff(new, old) if ids == old_ids else 0.0
-        if not diff <= tolerance or (moved > tolerance and not diff < diff_old):
-            raise PublishError(
-                f"publish of v{version} did not land: the server's probe logprobs differ from the new weights' by "
-                f"{diff:.2e} (tolerance {tolerance:.0e}) and from its own answer before the load by {diff_old:.2e}"
-            )
-        self.server_probe = (ids, served)
-        return PublishResult(version, path, probe_diff=diff, probe_diff_old=diff_old)
+        diffs, diffs_old = [], []
+        for url, (ids, served) in answers.items():
+            if url in failed:
+                continue
+            if tuple(ids) not in forced:
+                forced[tuple(ids)] = self._probe_logprobs(ids)
+            new = forced[tuple(ids)]
+            old_ids, old = (before or {}).get(url) or (ids, new)
+            diff, diff_old = mean_abs_diff(served, new), mean_abs_diff(served, old)
+            # Same ids as before: the logprobs must have moved as the weights did. Other ids: the server's own
+            # seeded sample changed, which unchanged weights do not do.
+            moved = mean_abs_diff(new, old) if ids == old_ids else 0.0
+            if not diff <= tolerance or (moved > tolerance and not diff < diff_old):
+                failed[url] = (
+                    f"publish of v{version} did not land: the server's probe logprobs differ from the new weights' "
+                    f"by {diff:.2e} (tolerance {tolerance:.0e}) and from its own answer before the load by "
+                    f"{diff_old:.2e}"
+                )  # fmt: skip
+                continue
+            diffs.append(diff)
+            diffs_old.append(diff_old)
+        self.last_verify_split = {"server_probe": server_s, "trainer_probe": time.perf_counter() - started}
+        landed = self._left_out(clients, failed, version)
+        self.server_probe = {url: answers[url] for url in landed}
+        return PublishResult(version, path, probe_diff=max(diffs), probe_diff_old=min(diffs_old), replicas=landed,
+                             left_out=failed)  # fmt: skip
 
     def _probe_logprobs(self, ids: list[int]) -> list[float]:
         """The engine's logprobs of ``ids`` after PROBE_IDS (the server's probe answer, teacher-forced)."""

@@ -29,8 +29,18 @@ for ``/resume``, so the probe runs after it.)
    LoRA-enabled vLLM 0.32 CPU server a ``prompt_logprobs`` request batched with any other request kills the engine
    (vllm#29955/#16668), and the probe runs while the calls frozen by the pause resume. A fresh ``cache_salt`` keeps
    it off the prefix cache.
+
+Several replicas (``PolicyReplicas``: the sidecar's replica spec, a list or ``dns+http://NAME:PORT``): every one is
+paused, then each loads the checkpoint and has its prefix cache reset, then the version is set on each that loaded,
+then every one resumes, then each is verified with the probe (a paused engine queues every request, the probe too,
+so the probe follows the resume). A replica that fails a step is left out: its version becomes
+``left-out-v<n>``, so the sidecars, which route only to replicas whose version and policy name match the others',
+stop sending episodes there; the publish lands on the
+rest and says which were left out. It fails only when none landed. The replica that failed its probe served the
+new version's number for the probe's duration (~0.1–1 s) before it was relabelled: the one window left.
 """
 
+import contextlib
 import json
 import math
 import os
@@ -38,6 +48,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +57,7 @@ import httpx
 import torch
 
 from forge.errors import ForgeError
+from sidecar.replicas import Resolver, UpstreamError, base_url, parse_upstreams, resolve
 from sidecar.store import Store
 
 # The probe: fixed ids, no tokenizer at run time (SmolLM2's chat template of a short question and answer; for another
@@ -72,6 +84,8 @@ class PublishResult:
     seconds: dict[str, float] = field(default_factory=dict)  # write, load, verify
     probe_diff: float = math.nan  # mean |server − trainer(new)| over the probe
     probe_diff_old: float = math.nan  # mean |server − its answer before the load|: 0 for a publish that did not land
+    replicas: list[str] = field(default_factory=list)  # the replicas that serve it
+    left_out: dict[str, str] = field(default_factory=dict)  # replica URL -> why it does not
 
 
 def checkpoint_name(run: str, version: int) -> str:
@@ -227,7 +241,7 @@ class PolicyClient:
             time.sleep(0.25)  # running requests hold blocks
         raise PublishError("the policy server would not reset its prefix cache: calls could reuse old-weight KV")
 
-    def set_version(self, version: int) -> None:
+    def set_version(self, version: int | str) -> None:
         self._post("/update_weight_version", {"new_version": str(version)}, what="update_weight_version")
 
     def pause(self, clear_cache: bool = True) -> None:
@@ -258,3 +272,132 @@ class PolicyClient:
 
 def mean_abs_diff(a: list[float], b: list[float]) -> float:
     return sum(abs(x - y) for x, y in zip(a, b, strict=True)) / max(1, len(a))
+
+
+LEFT_OUT = "left-out-v{version}"  # the version label of a replica a publish left out (no sidecar routes to it)
+INSTANCE_ASKS = 8  # /server_info questions, each on a new connection, to tell one server from a load balancer
+
+
+class PolicyReplicas:
+    """Every policy replica a replica spec names: ``http://a:8000,http://b:8000`` or ``dns+http://NAME:PORT`` (a
+    headless Service: every address NAME resolves to, resolved again at each publish), as the sidecar's --upstream.
+
+    ``switch`` pauses all, loads and sets the version on each, resumes all; a replica that fails is left out.
+    """
+
+    def __init__(self, spec: str, timeout: float = 300.0, resolver: Resolver = resolve) -> None:
+        try:
+            self.upstreams = parse_upstreams(spec)
+        except UpstreamError as error:
+            raise ForgeError(str(error).replace("--upstream", "--policy-url")) from None
+        self.spec = spec
+        self.timeout = timeout
+        self.resolver = resolver
+        self.known: dict[str, PolicyClient] = {}
+        self.last_split: dict[str, float] = {}  # the last switch's seconds: pause, load_reset, version, resume
+
+    @property
+    def base_url(self) -> str:
+        return self.spec
+
+    def clients(self) -> list[PolicyClient]:
+        """The replicas now (dns+ names resolved again); a name that does not resolve fails in one line."""
+        urls: list[str] = []
+        for upstream in self.upstreams:
+            if not upstream.dns:
+                urls.append(upstream.url)
+                continue
+            try:
+                addresses = self.resolver(upstream.host, upstream.port)
+            except OSError as error:
+                raise ForgeError(f"--policy-url {upstream.url}: {upstream.host} does not resolve ({error})") from None
+            urls += [base_url(upstream.scheme, address, upstream.port) for address in addresses]
+        if not urls:
+            raise ForgeError(f"--policy-url {self.spec}: no replica listed (DNS gave no address)")
+        for url in urls:
+            if url not in self.known:
+                self.known[url] = PolicyClient(url, self.timeout)
+        return [self.known[url] for url in dict.fromkeys(urls)]
+
+    def check(self) -> str:
+        """The served model's name (every replica must serve the same), or a one-line error: a replica down, or a
+        single URL behind which several servers answer (a load-balanced Service: a publish through it would reach
+        one pod, and its pause and resume could land on different ones)."""
+        clients = self.clients()
+        names = {client.base_url: client.check() for client in clients}
+        if len(set(names.values())) > 1:
+            raise ForgeError(f"the policy replicas serve different models: {names}")
+        for upstream in (u for u in self.upstreams if not u.dns):
+            instances = instance_ids(upstream.url)
+            if len(instances) > 1:
+                raise ForgeError(
+                    f"--policy-url {upstream.url} is load-balanced over several policy servers ({len(instances)} "
+                    "answered): name every replica (comma-separated) or dns+http://HEADLESS-SERVICE:PORT"
+                )
+        return next(iter(names.values()))
+
+    def each(self, clients: list[PolicyClient], work: Callable[[PolicyClient], Any]) -> dict[str, str]:
+        """``work`` on every replica at once; returns what failed: URL -> why."""
+        failed: dict[str, str] = {}
+        with ThreadPoolExecutor(max(1, len(clients)), thread_name_prefix="forge-replica") as pool:
+            futures = {client.base_url: pool.submit(work, client) for client in clients}
+            for url, future in futures.items():
+                try:
+                    future.result()
+                except (ForgeError, httpx.HTTPError, OSError, ValueError) as error:
+                    failed[url] = str(error).splitlines()[0][:300]
+        return failed
+
+    def switch(
+        self, clients: list[PolicyClient], load: Callable[[PolicyClient], None], version: int
+    ) -> dict[str, str]:  # fmt: skip
+        """Pause every replica, load each and reset its prefix cache, set the version on each that loaded, resume
+        every one (also those that failed: none stays paused). Returns the replicas left out: URL -> why."""
+        split = self.last_split = {}
+        started = time.perf_counter()
+        failed = self.each(clients, lambda c: c.pause())
+        split["pause"] = time.perf_counter() - started
+        try:
+            ready = [c for c in clients if c.base_url not in failed]
+
+            def load_and_reset(client: PolicyClient) -> None:
+                load(client)
+                client.reset_prefix_cache()
+
+            started = time.perf_counter()
+            failed |= self.each(ready, load_and_reset)
+            split["load_reset"] = time.perf_counter() - started
+            started = time.perf_counter()
+            failed |= self.each([c for c in ready if c.base_url not in failed], lambda c: c.set_version(version))
+            split["version"] = time.perf_counter() - started
+        finally:
+            started = time.perf_counter()
+            resumed = self.each(clients, lambda c: c.resume())
+            split["resume"] = time.perf_counter() - started
+            for url, why in resumed.items():
+                failed.setdefault(url, f"resume: {why}")
+        return failed
+
+    def leave_out(self, client: PolicyClient, version: int) -> None:
+        """No sidecar routes to this replica any more: its version says it was left out, and matches no other's.
+        Best effort: a replica that is down is left out already (and, back, serves an older version than the rest)."""
+        with contextlib.suppress(ForgeError, httpx.HTTPError):
+            client.set_version(LEFT_OUT.format(version=version))
+
+
+def instance_ids(url: str, asks: int = INSTANCE_ASKS) -> set[str]:
+    """The vLLM instance ids that answer at ``url`` over ``asks`` new connections (a load balancer spreads
+    connections, not requests). Empty when the server does not say (no dev mode: then it cannot be published to
+    anyway, which the publish says)."""
+    found: set[str] = set()
+    for _ in range(asks):
+        try:
+            with httpx.Client(base_url=url, timeout=60) as http:  # a new connection each time
+                answer = http.get("/server_info", params={"config_format": "json"}, headers={"connection": "close"})
+            config = answer.json().get("vllm_config") if answer.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return found
+        if not isinstance(config, dict) or not config.get("instance_id"):
+            return found
+        found.add(str(config["instance_id"]))
+    return found

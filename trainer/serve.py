@@ -195,7 +195,12 @@ class PolicyServer:
 
     def start(self, timeout: float | None = None) -> "PolicyServer":
         """Start vLLM and wait until it answers `/v1/models`; on failure, stop it and say why (with its log)."""
-        timeout = timeout or self.start_timeout
+        self.launch()
+        return self.wait_ready(timeout)
+
+    def launch(self) -> None:
+        """Start the vLLM process, not waiting for it. From the thread that outlives it: the process is told to
+        stop when the thread that started it ends (PR_SET_PDEATHSIG is per thread)."""
         python = self.python or policy_python()
         check_model_dir(self.model)
         check_port_free(self.host, self.port)
@@ -211,6 +216,11 @@ class PolicyServer:
                 stdin=subprocess.DEVNULL, start_new_session=True,  # own process group: stop() reaches the engine
                 preexec_fn=_terminate_with_parent,
             )  # fmt: skip
+
+    def wait_ready(self, timeout: float | None = None) -> "PolicyServer":
+        """Wait until the launched server answers `/v1/models`; on failure, stop it and say why (with its log)."""
+        assert self.process is not None
+        timeout = timeout or self.start_timeout
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -285,6 +295,19 @@ class PolicyServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def start_together(servers: list[PolicyServer]) -> None:
+    """Start several servers at once (their start-ups overlap), from this thread; on a failure, stop them all."""
+    try:
+        for server in servers:
+            server.launch()
+        for server in servers:
+            server.wait_ready()
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
 
 
 def _terminate_with_parent() -> None:

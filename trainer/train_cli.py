@@ -10,7 +10,11 @@ from forge.errors import ForgeError
 
 @click.group("train", invoke_without_command=True, short_help="Train the policy on complete episodes.")
 @click.option("--store", help="The store: a folder or s3://bucket/prefix (the sidecars' records).")
-@click.option("--policy-url", help="The vLLM policy server, e.g. http://127.0.0.1:8000.")
+@click.option(
+    "--policy-url",
+    help="The vLLM policy replicas, each published to: http://127.0.0.1:8000, a comma-separated list, or "
+    "dns+http://NAME:PORT (every address of NAME: a headless Service, as the sidecars' --upstream).",
+)
 @click.option("--run", default="default", show_default=True, help="Run name: checkpoints/<run>/v<n>/ in the store.")
 @click.option("--mode", type=click.Choice(["sync", "async"]), default="sync", show_default=True)
 @click.option("--steps", type=int, default=1, show_default=True)

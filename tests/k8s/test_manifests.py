@@ -90,6 +90,18 @@ def test_the_injector_settings_in_the_base_are_valid_and_the_defaults(rendered):
     )
 
 
+def test_the_trainer_publishes_to_every_replica_the_sidecars_route_to(rendered):
+    """The trainer's --policy-url is the headless Service (every pod), the injector's sidecar upstream, not the
+    load-balanced one: a publish through that would reach one pod and leave the others on old weights."""
+    _, objects = rendered
+    job = next(o for o in by_kind(objects, "Job") if o["metadata"]["name"] == "openforge-trainer")
+    command = job["spec"]["template"]["spec"]["containers"][0]["command"]
+    spec = command[command.index("--policy-url") + 1]
+    assert spec == InjectorSettings().upstream == "dns+http://openforge-policy-replicas.openforge-system.svc:8000"
+    headless = next(o for o in by_kind(objects, "Service") if o["metadata"]["name"] == "openforge-policy-replicas")
+    assert headless["spec"]["clusterIP"] == "None"
+
+
 def test_least_privilege(rendered):
     _, objects = rendered
     (role,) = by_kind(objects, "Role")

@@ -123,6 +123,44 @@ def test_with_every_replica_down_the_episode_keeps_its_own():
     assert replicas.route("ep").replica is home
 
 
+def polled(replicas: ReplicaSet, *states: tuple[str | None, bool, bool]) -> None:
+    """What a health poll found: (version, paused, serves the policy) per replica, in order; all up."""
+    for replica, (version, paused, serves) in zip(replicas.all(), states, strict=True):
+        replicas.mark(replica, True)
+        replica.version, replica.paused, replica.serves_policy = version, paused, serves
+
+
+def test_a_replica_out_of_step_takes_no_call_while_another_is_in_step():
+    replicas = two_replicas()
+    a, b = replicas.all()
+    episode = next(e for e in (f"ep-{n}" for n in range(100)) if rendezvous(e, [a.url, b.url]) == b.url)
+    replicas.served(episode, b)
+    polled(replicas, ("3", False, True), ("left-out-v3", False, True))  # the publish of v3 left b out
+    assert replicas.judge_step() == [(b, "serves version left-out-v3, the others 3")]
+    route = replicas.route(episode)
+    assert (route.replica, route.moved_from, route.why) == (a, b.url, "serves version left-out-v3, the others 3")
+    assert {replicas.route(None).replica.url for _ in range(4)} == {a.url}
+    polled(replicas, ("3", False, True), ("2", False, True))  # back after a restart, an older version: still out
+    assert replicas.judge_step() == [(b, "serves version 2, the others 3")]
+    polled(replicas, ("3", False, True), ("3", False, False))  # the policy's name missing
+    assert replicas.judge_step() == [(b, "does not serve the policy")]
+    polled(replicas, ("4", False, True), ("4", False, True))  # the next publish landed on both
+    assert replicas.judge_step() == [(b, None)] and replicas.route("new-episode").replica.out_of_step is None
+
+
+def test_a_paused_replica_is_not_judged_and_a_lone_or_unnumbered_one_never_out_of_step():
+    replicas = two_replicas()
+    a, b = replicas.all()
+    polled(replicas, ("4", False, True), ("3", True, True))  # a publish under way: b is paused, not yet at v4
+    assert replicas.judge_step() == [] and b.out_of_step is None
+    polled(replicas, ("default", False, True), ("default", False, True))  # no trainer yet: no numbered version
+    assert replicas.judge_step() == []
+    replicas.mark(a, False, "connection refused")  # b alone up: nothing to be out of step with
+    polled(replicas, ("3", False, True), ("left-out-v3", False, True))
+    replicas.mark(a, False, "connection refused")
+    assert replicas.judge_step() == [] and replicas.route("ep").replica is b
+
+
 def test_calls_without_an_episode_take_the_live_replicas_in_turn():
     replicas = ReplicaSet(parse_upstreams("http://127.0.0.1:1001,http://127.0.0.1:1002,http://127.0.0.1:1003"))
     replicas.mark(replicas.all()[0], False, "down")
