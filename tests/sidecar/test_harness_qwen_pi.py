@@ -88,6 +88,8 @@ def test_pi_headless_over_each_api_is_served_recorded_exactly_and_labelled(
     usages = [e["message"]["usage"] for e in events
               if e.get("type") == "message_end" and e["message"].get("role") == "assistant"]  # fmt: skip
     assert len(usages) == len(calls)
-    assert_counts_equal(calls, sum(u["input"] for u in usages), sum(u["output"] for u in usages))
+    # pi counts the prompt tokens the server read from its prefix cache apart (cacheRead, from vLLM's cached_tokens)
+    prompt_tokens = sum(u["input"] + u["cacheRead"] for u in usages)
+    assert_counts_equal(calls, prompt_tokens, sum(u["output"] for u in usages))
     assert_all_sampled_by_vllm(vllm, policy_server, calls)
     assert_no_secret_anywhere(sidecar, [API_KEY])
