@@ -271,8 +271,11 @@ def test_an_episode_sticks_to_one_replica_and_moves_without_losing_a_call_when_i
     policy_server, second_replica, start_sidecar
 ):
     a, b = policy_server.base_url, second_replica.base_url  # b is the one stopped (a may be a shared server)
-    httpx.post(f"{b}/update_weight_version", json={"new_version": "b-1"}, timeout=30).raise_for_status()
     version_a = httpx.get(f"{a}/weight_info", timeout=30).json()["weight_version"]
+    # b's own label, so each record shows which replica served it — unless a (a shared server) already serves a
+    # published version: a replica serving another than the newest published one is out of step and takes no call
+    version_b = version_a if version_a is not None and str(version_a).isdigit() else "b-1"
+    httpx.post(f"{b}/update_weight_version", json={"new_version": version_b}, timeout=30).raise_for_status()
     upstream = f"{a},{b}"
     # Two sidecars over the same replicas, whose health poll would come too late to notice the stop: one asks each
     # call's version of its replica (the stopped replica is found by that question), the other has a fixed version
@@ -312,7 +315,7 @@ def test_an_episode_sticks_to_one_replica_and_moves_without_losing_a_call_when_i
     def served(episode: str) -> list[tuple[str, str | None, str | None]]:
         return [(r["replica"], r["replica_moved_from"], r["policy_version"]) for r in by_episode[episode]]
 
-    assert served(moving.episode) == [(b, None, "b-1")] * 3 + [(a, b, version_a), (a, None, version_a)]
+    assert served(moving.episode) == [(b, None, version_b)] * 3 + [(a, b, version_a), (a, None, version_a)]
     assert served(moving_fixed.episode) == [(b, None, "fixed-7")] * 2 + [(a, b, "fixed-7"), (a, None, "fixed-7")]
     assert served(staying.episode) == [(a, None, version_a)] * 2  # the other replica's episodes never move
     for row in (by_episode[moving.episode][3], by_episode[moving_fixed.episode][2]):
