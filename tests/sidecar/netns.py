@@ -5,7 +5,6 @@ folders), even when a test fails. Traffic stays inside the test's namespaces and
 namespace, over which a TCP relay reaches the vLLM server on the root namespace's loopback.
 """
 
-import contextlib
 import datetime
 import ipaddress
 import os
@@ -26,6 +25,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+
+from tests.support.sockets import relay
 
 HERE = Path(__file__).resolve().parent
 PROXY_UID = 1337
@@ -170,8 +171,7 @@ class Relay:
             except OSError:
                 client.close()
                 continue
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+            relay(client, upstream)
 
     @staticmethod
     def _answer(client: socket.socket, answer: bytes) -> None:
@@ -186,19 +186,6 @@ class Relay:
             while len(body) < length and (chunk := client.recv(65536)):
                 body += chunk
             client.sendall(answer)
-
-    @staticmethod
-    def _pipe(source: socket.socket, sink: socket.socket) -> None:
-        source.settimeout(None)
-        try:
-            while data := source.recv(65536):
-                sink.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (source, sink):
-                with contextlib.suppress(OSError):
-                    s.shutdown(socket.SHUT_RDWR)
 
 
 # -- the topology ---------------------------------------------------------------------------------------------

@@ -7,7 +7,6 @@ refusal (both servers up), a publish on both, a replica that fails to load (left
 next publish), then a replica killed mid-publish (last: it stays down).
 """
 
-import contextlib
 import os
 import socket
 import subprocess
@@ -22,6 +21,7 @@ import pytest
 from bench.trainer_publish import nudge
 from sidecar.replicas import rendezvous
 from tests.sidecar.conftest import SidecarFactory, read_calls, wait_for
+from tests.support.sockets import relay
 from tests.trainer.recording import sample
 from trainer import teacher
 from trainer.serve import PolicyServer, default_checkpoint, free_port, start_together
@@ -138,20 +138,7 @@ class RoundRobin:
             except OSError:
                 client.close()
                 continue
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
-
-    @staticmethod
-    def _pipe(source: socket.socket, target: socket.socket) -> None:
-        try:
-            while data := source.recv(65536):
-                target.sendall(data)
-        except OSError:
-            return
-        finally:
-            for s in (source, target):
-                with contextlib.suppress(OSError):
-                    s.shutdown(socket.SHUT_RDWR)
+            relay(client, upstream)
 
     def close(self) -> None:
         self.listener.close()

@@ -1,0 +1,1 @@
+"""Support code the tests of several folders share (not tests themselves)."""
