@@ -14,6 +14,7 @@ Normalised the same way on every call, so that a conversation's prompts extend e
 """
 
 import json
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -379,3 +380,20 @@ class StreamState:
 
     def summary(self) -> dict[str, Any]:
         return {**self.chat.summary(), "translated_from": "chat"}
+
+
+def model_list(openai_list: bytes) -> bytes | None:
+    """vLLM lists models in OpenAI's shape; an Anthropic client gets Anthropic's (None: not a model list)."""
+    try:
+        listed = json.loads(openai_list or b"")["data"]
+        data = [
+            {"type": "model", "id": m.get("id"), "display_name": m.get("id"),
+             "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(m.get("created") or 0))}
+            for m in listed
+        ]  # fmt: skip
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return json.dumps(
+        {"data": data, "has_more": False, "first_id": data[0]["id"] if data else None,
+         "last_id": data[-1]["id"] if data else None}
+    ).encode()  # fmt: skip

@@ -21,11 +21,11 @@ from forge.paths import repo_root
 from sidecar.apis import openai
 from sidecar.metrics import Metrics
 from sidecar.prefix import PrefixIndex, common_prefix_len
-from sidecar.record import CALL_SCHEMA, CallRecord, checked_row, to_table
+from sidecar.record import CALL_SCHEMA, CallRecord, checked_row, pack_floats, pack_ids, to_table
 from sidecar.redact import REDACTED, redacted_json, secrets_in_headers
 from sidecar.sse import EventFramer, parse_data, parse_event, rewrite_event
 from sidecar.store import StoreError, open_store
-from sidecar.writer import WAL_FILE, RecordWriter, pack_floats, pack_ids, pending_records, rows_to_table
+from sidecar.writer import WAL_FILE, RecordWriter, pending_records, rows_to_table
 
 STREAM = b'data: {"a":1}\n\nevent: ping\ndata: {"b":2}\n\n: comment\n\ndata: [DONE]\n\n'
 
