@@ -42,7 +42,7 @@ from mitmproxy import ctx, exceptions, http
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # mitmdump loads this file as a script
 
-from sidecar import apis, identity, response_store, transparent
+from sidecar import apis, identity, transparent
 from sidecar.admin import DEFAULT_TOKEN_FILE, AdminServer, TokenFileError, create_token_file, read_token_file
 from sidecar.apis.errors import error_body, error_headers
 from sidecar.call import Call
@@ -207,14 +207,10 @@ class Forge:
         if api is None:
             flow.request.stream = True  # not a model call: straight through, never buffered or recorded
             return
-        if api == "responses_socket":
-            # Codex tries a WebSocket on GET /v1/responses first; a plain refusal makes it POST at once.
-            self.metrics.inc("websocket_refused_total")
-            flow.response = http.Response.make(
-                426, json.dumps({"error": {"message": "WebSocket transport is not served here: use POST",
-                                           "type": "invalid_request_error", "code": "websocket_not_supported"}}),
-                {"content-type": "application/json"},
-            )  # fmt: skip
+        if (refusal := apis.spec(api).refusal) is not None:  # e.g. Codex's WebSocket: it then POSTs at once
+            status, body, counted = refusal
+            self.metrics.inc(counted)
+            flow.response = http.Response.make(status, json.dumps(body), dict(apis.spec(api).dialect.error_headers))
             return
         flow.metadata["forge_api"] = api
 
@@ -229,7 +225,8 @@ class Forge:
         if api is None or flow.response is not None:
             return
         try:
-            if api in apis.RECORDED:
+            served = apis.spec(api)
+            if served.serve == apis.RECORDED:
                 headers = identity.header_map(flow.request.headers)  # read once: lookups cost per call
                 who = self._identity(flow, headers)
                 route, asked = await self.router.choose(who[0])
@@ -241,16 +238,14 @@ class Forge:
                 assert call.replica is not None
                 sequences = self.relay.prefixes.sequences(call.episode_id)
                 await self.router.continuations_for(call.replica).prepare(flow, call, sequences)
-            elif api == "responses_stored":  # a stored response read or deleted: this episode's only, never routed
+            elif served.answer is not None:  # e.g. a stored response read or deleted: this episode's only, not routed
                 who = self._identity(flow, identity.header_map(flow.request.headers))
-                status, body = response_store.answer(
-                    self.stored_responses, who[0], flow.request.method, flow.request.path
-                )
+                status, body = served.answer(self.stored_responses, who[0], flow.request.method, flow.request.path)
                 flow.response = http.Response.make(status, body, {"content-type": "application/json"})
             else:  # served by the policy, not a sampled call: routed, never recorded
                 strip_hop_secrets(flow)
                 self.router.route(flow, self.router.replicas.route(None).replica)
-                if api == "count_tokens":
+                if served.maps_model:
                     self.router.map_model(flow)
         except LookupError as error:  # no replica known (a dns+ name that listed none yet)
             self.metrics.inc("no_replica_total")
@@ -301,8 +296,8 @@ class Forge:
         call: Call | None = flow.metadata.get("forge_call")
         if "forge_api" in flow.metadata:
             self.router.connected(flow)
-        if flow.metadata.get("forge_api") == "models" and flow.request.headers.get("anthropic-version"):
-            self._anthropic_model_list(flow)
+        if (api := flow.metadata.get("forge_api")) is not None and apis.spec(api).lists_models:
+            self._model_list(flow)
         if call is None or call.recorded:
             return
         try:
@@ -339,10 +334,15 @@ class Forge:
         except Exception as error:
             self.relay.internal_error("error", error)
 
-    def _anthropic_model_list(self, flow: http.HTTPFlow) -> None:
+    def _model_list(self, flow: http.HTTPFlow) -> None:
+        """vLLM lists models in OpenAI's shape; a client that speaks another dialect (its header says so) gets
+        that dialect's."""
         assert flow.response is not None
-        if (listed := apis.messages.model_list(flow.response.get_content(strict=False) or b"")) is not None:
-            flow.response.content = listed
+        for dialect in {api.dialect.name: api.dialect for api in apis.REGISTRY.values()}.values():
+            if dialect.model_list and dialect.header and flow.request.headers.get(dialect.header):
+                if (listed := dialect.model_list(flow.response.get_content(strict=False) or b"")) is not None:
+                    flow.response.content = listed
+                return
 
     # -- the call's beginning --------------------------------------------------------------------------------
 

@@ -59,7 +59,7 @@ metrics: Metrics,
     bound = apis.bound_completion(api, body, router.max_completion_tokens, replica.context)
     module = apis.module_for(api)
     # previous_response_id and item_reference resolved from this episode's answers; the call it extends by id
-    if api == "responses" and (continued := stored.resolve(call.episode_id, body)):
+    if apis.spec(api).stateful and (continued := stored.resolve(call.episode_id, body)):
         flow.metadata["forge_continues"] = continued  # (tokens-in: sidecar/continuation.py)
     try:
         added = module.prepare_request(api, body)

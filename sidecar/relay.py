@@ -111,8 +111,9 @@ class Relay:
             upstream = scrub_text(text[:2000], call.secrets)
             call.error = f"{call.error}; upstream said: {upstream}" if call.error else upstream
             self.record(flow, call, status="upstream_error")
-            if call.api == "messages" and call.added is not None:  # the harness asked in Anthropic's format
-                response.content = apis.messages.error_body(response.status_code, text)
+            rewrite = apis.spec(call.api).dialect.upstream_error
+            if rewrite is not None and call.added is not None:  # the harness asked in its own format (Anthropic's)
+                response.content = rewrite(response.status_code, text)
             return
         if call.added is None:
             self.record(flow, call, status="error")

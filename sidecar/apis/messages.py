@@ -14,13 +14,17 @@ Normalised the same way on every call, so that a conversation's prompts extend e
 """
 
 import json
+import sys
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from sidecar.apis import openai
 from sidecar.apis.base import Sampled, compact
+from sidecar.apis.errors import anthropic_error
+from sidecar.apis.registry import RECORDED, ROUTED, Api, Dialect, register
 from sidecar.sse import parse_event
 
 PATHS = ("/v1/messages", "/messages")
@@ -397,3 +401,30 @@ def model_list(openai_list: bytes) -> bytes | None:
         {"data": data, "has_more": False, "first_id": data[0]["id"] if data else None,
          "last_id": data[-1]["id"] if data else None}
     ).encode()  # fmt: skip
+
+
+def system_prompt(body: Mapping[str, Any]) -> list[str]:
+    """The system blocks' texts, but for Claude Code's billing header."""
+    system = body.get("system")
+    blocks = system if isinstance(system, list) else [{"text": system}] if isinstance(system, str) else []
+    texts = [t for b in blocks if isinstance(b, dict) and isinstance(t := b.get("text"), str)]
+    return [t for t in texts if not t.startswith(BILLING_PREFIX)]
+
+
+DIALECT = Dialect("anthropic", anthropic_error, {"content-type": "application/json", "x-should-retry": "true"},
+                  upstream_error=error_body, model_list=model_list, header="anthropic-version")  # fmt: skip
+register(
+    Api(
+        "messages",
+        "POST",
+        PATHS,
+        RECORDED,
+        DIALECT,
+        module=sys.modules[__name__],
+        max_token_fields=("max_tokens",),
+        system_prompt=system_prompt,
+        tokens_in="chat",
+    )
+)
+# Served by the policy (vLLM answers it), not recorded; the requested model name is mapped as for a call.
+register(Api("count_tokens", "POST", COUNT_TOKENS_PATHS, ROUTED, DIALECT, maps_model=True))
