@@ -413,18 +413,7 @@ def system_prompt(body: Mapping[str, Any]) -> list[str]:
 
 DIALECT = Dialect("anthropic", anthropic_error, {"content-type": "application/json", "x-should-retry": "true"},
                   upstream_error=error_body, model_list=model_list, header="anthropic-version")  # fmt: skip
-register(
-    Api(
-        "messages",
-        "POST",
-        PATHS,
-        RECORDED,
-        DIALECT,
-        module=sys.modules[__name__],
-        max_token_fields=("max_tokens",),
-        system_prompt=system_prompt,
-        tokens_in="chat",
-    )
-)
+register(Api("messages", "POST", PATHS, RECORDED, DIALECT, module=sys.modules[__name__], tokens_in="chat",
+             max_token_fields=("max_tokens",), system_prompt=system_prompt))  # fmt: skip
 # Served by the policy (vLLM answers it), not recorded; the requested model name is mapped as for a call.
 register(Api("count_tokens", "POST", COUNT_TOKENS_PATHS, ROUTED, DIALECT, maps_model=True))

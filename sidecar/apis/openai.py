@@ -195,30 +195,10 @@ SYSTEM_ROLES = ("system", "developer")
 DIALECT = Dialect("openai", openai_error)
 MODEL_LIST_PATHS = ("/v1/models", "/models")
 # vLLM's chat obeys max_completion_tokens where a request sets both.
-register(
-    Api(
-        "chat",
-        "POST",
-        CHAT_PATHS,
-        RECORDED,
-        DIALECT,
-        module=sys.modules[__name__],
-        max_token_fields=("max_tokens", "max_completion_tokens"),
-        effective_order=("max_completion_tokens", "max_tokens"),
-        system_prompt=system_prompt,
-        tokens_in="chat",
-    )
-)
-register(
-    Api(
-        "completions",
-        "POST",
-        COMPLETIONS_PATHS,
-        RECORDED,
-        DIALECT,
-        module=sys.modules[__name__],
-        max_token_fields=("max_tokens",),
-    )
-)
+register(Api("chat", "POST", CHAT_PATHS, RECORDED, DIALECT, module=sys.modules[__name__], system_prompt=system_prompt,
+             max_token_fields=("max_tokens", "max_completion_tokens"),
+             effective_order=("max_completion_tokens", "max_tokens"), tokens_in="chat"))  # fmt: skip
+register(Api("completions", "POST", COMPLETIONS_PATHS, RECORDED, DIALECT, module=sys.modules[__name__],
+             max_token_fields=("max_tokens",)))  # fmt: skip
 # The model list: served by the policy, in the dialect of the client that asks (sidecar/addon.py).
 register(Api("models", "GET", MODEL_LIST_PATHS, ROUTED, DIALECT, lists_models=True))

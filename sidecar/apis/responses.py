@@ -361,33 +361,13 @@ def system_prompt(body: Mapping[str, Any]) -> list[str]:
     return texts
 
 
-register(
-    Api(
-        "responses",
-        "POST",
-        PATHS,
-        RECORDED,
-        openai.DIALECT,
-        module=sys.modules[__name__],
-        max_token_fields=("max_output_tokens",),
-        system_prompt=system_prompt,
-        stateful=True,
-        tokens_in="responses",
-    )
-)
+register(Api("responses", "POST", PATHS, RECORDED, openai.DIALECT, module=sys.modules[__name__],
+             max_token_fields=("max_output_tokens",), system_prompt=system_prompt, stateful=True,
+             tokens_in="responses"))  # fmt: skip
 # Codex tries a WebSocket on GET /v1/responses first; a plain refusal makes it POST at once.
 register(Api("responses_socket", "GET", PATHS, REFUSED, openai.DIALECT, refusal=(426, {"error": {
     "message": "WebSocket transport is not served here: use POST", "type": "invalid_request_error",
     "code": "websocket_not_supported"}}, "websocket_refused_total")))  # fmt: skip
 # GET/DELETE /v1/responses/{id}, GET .../input_items: from the answers this episode was served.
-register(
-    Api(
-        "responses_stored",
-        "*",
-        (),
-        ANSWERED,
-        openai.DIALECT,
-        matches=response_store.stored_path,
-        answer=response_store.answer,
-    )
-)
+register(Api("responses_stored", "*", (), ANSWERED, openai.DIALECT, matches=response_store.stored_path,
+             answer=response_store.answer))  # fmt: skip

@@ -220,8 +220,9 @@ def test_the_prefix_index_is_bounded_in_bytes():
     for episode in range(50):
         for call in range(3):
             index.remember(f"e{episode}", f"c{episode}-{call}", pack_ids(list(range(100))))
-    assert index.bytes <= 4000 and index.bytes == sum(len(s) for calls in index.episodes.values() for _, s in calls)
-    assert index.split("e49", pack_ids(list(range(100)))) == ("c49-2", 100) and "e0" not in index.episodes
+    recent = index.recent
+    assert recent.total <= 4000 and recent.total == sum(len(s) for calls in recent.episodes.values() for _, s in calls)
+    assert index.split("e49", pack_ids(list(range(100)))) == ("c49-2", 100) and "e0" not in recent.episodes
 
 
 def test_bad_store_uris_say_what_to_write(tmp_path):
