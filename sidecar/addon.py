@@ -31,6 +31,7 @@ import itertools
 import json
 import logging
 import os
+import sqlite3
 import sys
 import threading
 import time
@@ -113,6 +114,11 @@ class Forge:
             max_age_s=o.flush_seconds, max_disk_bytes=o.max_wal_bytes, fsync=o.fsync,
         ).start()  # fmt: skip
         self.relay.sidecar_id = self.relay.writer.sidecar_id
+        try:  # the Responses answers served with store on, read back (a restart keeps them) and written through
+            if kept := self.stored_responses.persist(Path(o.wal_dir)):
+                log.info("%d stored responses read back from %s", kept, o.wal_dir)
+        except (OSError, sqlite3.Error, ValueError) as error:  # served from memory only: a restart forgets them
+            log.error("stored responses are kept in memory only (%s: %s)", type(error).__name__, error)
         router = self.router
         router.writer = self.relay.writer
         router.policy_model = o.policy_model or None
@@ -177,6 +183,7 @@ class Forge:
                 self.relay.internal_error("shutdown", error)
         if self.admin:
             self.admin.stop()
+        self.stored_responses.close()
         if self.relay.writer and not self.relay.writer.close(timeout_s=5.0):
             log.error("%d records are still in the write-ahead log; the next start replays them",
                       self.relay.writer.pending())  # fmt: skip
