@@ -249,8 +249,9 @@ class Forge:
                 who = self._identity(flow, identity.header_map(flow.request.headers))
                 status, body = served.answer(self.stored_responses, who[0], flow.request.method, flow.request.path)
                 flow.response = http.Response.make(status, body, {"content-type": "application/json"})
-            else:  # served by the policy, not a sampled call: routed, never recorded
+            else:  # served by the policy, not a sampled call: routed (to its own path), never recorded
                 strip_hop_secrets(flow)
+                flow.request.path = served.upstream_path(flow.request.path)
                 self.router.route(flow, self.router.replicas.route(None).replica)
                 if served.maps_model:
                     self.router.map_model(flow)
@@ -263,8 +264,12 @@ class Forge:
             )  # fmt: skip
         except Exception as error:  # fail open: the call goes on unrecorded, but to the policy, never the real host
             self.relay.internal_error("request", error)
-            if "forge_call" not in flow.metadata:
+            if "forge_call" not in flow.metadata and apis.spec(api).paths:
+                flow.request.path = apis.spec(api).upstream_path(flow.request.path)
                 self.router.route(flow, self.router.replicas.route(None).replica)
+            elif "forge_call" not in flow.metadata:  # answered by the sidecar, which failed: never the policy's
+                flow.response = http.Response.make(500, error_body(api, 500, "The proxy failed on this request."),
+                                                   error_headers(api))  # fmt: skip
 
     async def server_connect(self, data: Any) -> None:
         """A new connection to a replica that now refuses it (it died since the last poll) is sent to the next live
@@ -404,12 +409,15 @@ class Forge:
             log.error("a model call could not be prepared (%s); sent on as it came", type(error).__name__)
             call.error = f"request not prepared ({type(error).__name__}: {scrub_text(str(error), call.secrets)})"
             prepared = None
-        # Applied at once, after everything that can fail: the upstream gets the whole prepared call or the original.
+        # Applied at once, after everything that can fail: the upstream gets the whole prepared call or the original
+        # (its body as it came, to the API's own path: never to another route of the policy server).
         strip_hop_secrets(flow)
         self.router.route(flow, route.replica)
         if prepared is not None:
             flow.request.headers.pop("content-encoding", None)  # vLLM reads no gzip/br/zstd bodies: sent decoded
             flow.request.path, flow.request.content = prepared
+        else:
+            flow.request.path = apis.spec(api).upstream_path(flow.request.path)
 
 
 forge = Forge()

@@ -69,7 +69,7 @@ metrics: Metrics,
     if isinstance(added, apis.responses.Additions) and body.get("store") is not False:
         sent, kept = input_items(body.get("input")), stored
         added.keep = lambda answer: kept.keep(call.episode_id, call.call_id, sent, answer)
-    prepared = (added.upstream_path or flow.request.path, codec.dumps(body))
+    prepared = (added.upstream_path or apis.spec(api).upstream_path(flow.request.path), codec.dumps(body))
     sampling = json.dumps({k: body[k] for k in SAMPLING_KEYS if k in body}, sort_keys=True)
     call.bound, call.module, call.added, call.sampling = bound, module, added, sampling  # last: nothing fails after
     return prepared

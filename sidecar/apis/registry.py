@@ -50,6 +50,13 @@ class Api:
     # ANSWERED: (the sidecar's stored responses, the episode, method, path) -> status and JSON body
     answer: Callable[..., tuple[int, bytes]] | None = None
 
+    def upstream_path(self, path: str) -> str:
+        """The path the policy server is sent for a request to ``path``: this route's own (its first path), with the
+        request's query. Never the client's own path: a suffix match says nothing of what precedes it, and a path
+        such as ``/pause#/v1/messages/count_tokens`` would reach vLLM's admin routes (it drops the ``#...`` part)."""
+        _, mark, query = path.partition("?")
+        return self.paths[0] + mark + query
+
 
 REGISTRY: dict[str, Api] = {}
 
@@ -57,6 +64,8 @@ REGISTRY: dict[str, Api] = {}
 def register(api: Api) -> Api:
     if api.name in REGISTRY:
         raise ValueError(f"wire API {api.name!r} is registered twice")
+    if api.serve in (RECORDED, ROUTED) and not (api.paths and api.paths[0].startswith("/v1/")):
+        raise ValueError(f"wire API {api.name!r}: its first path is the one the policy server is sent: /v1/...")
     if (api.serve == RECORDED) != (api.module is not None) or (api.serve == RECORDED) != bool(api.max_token_fields):
         raise ValueError(f"wire API {api.name!r}: a recorded API (only) has a module and token-bound fields")
     REGISTRY[api.name] = api

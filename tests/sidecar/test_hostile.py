@@ -131,3 +131,40 @@ def test_a_stream_ending_with_an_error_event_and_a_null_logprob_are_never_record
     assert failed["status"] == "upstream_error" and "engine died" in failed["error"]
     assert null["status"] == "error" and "position(s) 2" in null["error"] and null["n_unknown_logprobs"] == 1
     still_up(sidecar)
+
+
+def raw_post(sidecar, target: str, body: dict) -> tuple[int, dict]:
+    """POST with this request target sent byte for byte (an HTTP client would drop a ``#...`` part)."""
+    content = json.dumps(body).encode()
+    head = (f"POST {target} HTTP/1.1\r\nHost: 127.0.0.1:{sidecar.port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(content)}\r\nConnection: close\r\n\r\n").encode()  # fmt: skip
+    with socket.create_connection(("127.0.0.1", sidecar.port), timeout=60) as connection:
+        connection.sendall(head + content)
+        answer = b""
+        while chunk := connection.recv(65536):
+            answer += chunk
+    status_line, _, rest = answer.partition(b"\r\n")
+    _, _, payload = rest.partition(b"\r\n\r\n")
+    try:
+        return int(status_line.split()[1]), json.loads(payload or b"null")
+    except ValueError:
+        return int(status_line.split()[1]), {"raw": payload[:200].decode("utf-8", "replace")}
+
+
+def test_a_path_ending_like_a_model_route_reaches_no_other_policy_route(start_sidecar, policy_server, vllm):
+    """The agent's shell can send any request target. vLLM drops a ``#...`` part, so a target that *ends* like a
+    routed model path (``/v1/messages/count_tokens``: served, not recorded) once reached whatever came before the
+    ``#``: the policy server's admin routes (``/pause`` stalls every rollout) and unrecorded samples. The policy is
+    sent each API's own path, never the client's."""
+    sidecar = start_sidecar(policy_server.base_url)
+    try:
+        status, _ = raw_post(sidecar, "/pause#/v1/messages/count_tokens", BODY)
+        assert vllm.get("/is_paused").json()["is_paused"] is False, "the agent paused the policy server"
+        status, answer = raw_post(sidecar, f"{CHAT}#/v1/messages/count_tokens", BODY)
+        assert "choices" not in answer, f"an unrecorded sample was served ({status}): {answer}"
+        counted = httpx.post(f"{sidecar.url}/v1/messages/count_tokens", json={**BODY, "max_tokens": 8}, timeout=120)
+        assert counted.status_code == 200 and "input_tokens" in counted.json()  # the real route is still served
+    finally:
+        vllm.post("/resume")
+    still_up(sidecar)
+    assert all(c["path"] == CHAT for c in records(sidecar, 1))
