@@ -31,7 +31,6 @@ import itertools
 import json
 import logging
 import os
-import sqlite3
 import sys
 import threading
 import time
@@ -117,7 +116,7 @@ class Forge:
         try:  # the Responses answers served with store on, read back (a restart keeps them) and written through
             if kept := self.stored_responses.persist(Path(o.wal_dir)):
                 log.info("%d stored responses read back from %s", kept, o.wal_dir)
-        except (OSError, sqlite3.Error, ValueError) as error:  # served from memory only: a restart forgets them
+        except Exception as error:  # served from memory only: a restart forgets them
             log.error("stored responses are kept in memory only (%s: %s)", type(error).__name__, error)
         router = self.router
         router.writer = self.relay.writer
@@ -183,11 +182,11 @@ class Forge:
                 self.relay.internal_error("shutdown", error)
         if self.admin:
             self.admin.stop()
-        self.stored_responses.close()
         if self.relay.writer and not self.relay.writer.close(timeout_s=5.0):
             log.error("%d records are still in the write-ahead log; the next start replays them",
                       self.relay.writer.pending())  # fmt: skip
             atexit.register(os._exit, 3)  # after mitmproxy's own clean-up: a stop that leaves records is not clean
+        self.stored_responses.close(timeout_s=2.0)  # after the records: what a restart needs most comes first
         self.router.close()
 
     # -- hooks ----------------------------------------------------------------------------------------------

@@ -37,14 +37,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sidecar import codec
+
 log = logging.getLogger("openforge.sidecar")
 
 MAX_RESPONSES = 4096
+MAX_DISK_BYTES = 256 << 20  # responses.sqlite's bound (the oldest answers go first); the WAL has its own
+MAX_QUEUED = 4096  # answers waiting for the disk; past it one is not written (a restart forgets it), counted
 REFERENCE = "item_reference"
 DB_FILE = "responses.sqlite"
 SCHEMA = (
     "CREATE TABLE IF NOT EXISTS kept (n INTEGER PRIMARY KEY AUTOINCREMENT, response_id TEXT UNIQUE NOT NULL, "
-    "episode TEXT NOT NULL, call_id TEXT NOT NULL, input TEXT NOT NULL, response TEXT NOT NULL)"
+    "episode TEXT NOT NULL, call_id TEXT NOT NULL, input BLOB NOT NULL, response BLOB NOT NULL)"
 )
 
 
@@ -103,21 +107,34 @@ def has_references(body: dict[str, Any]) -> bool:
 class ResponseStore:
     """The answers served with ``store`` on, per episode (thread-safe: the addon's loop and its stream callbacks)."""
 
-    def __init__(self, max_responses: int = MAX_RESPONSES) -> None:
+    def __init__(self, max_responses: int = MAX_RESPONSES, max_disk_bytes: int = MAX_DISK_BYTES) -> None:
         self.max_responses = max_responses
+        self.max_disk_bytes = max_disk_bytes
         self.responses: OrderedDict[str, Kept] = OrderedDict()
         self.items: dict[tuple[str, Any], Any] = {}  # (episode, item id: a str) -> the item
         self.owners: dict[tuple[str, Any], str] = {}  # (episode, output item id) -> the response that answered it
         self.lock = threading.Lock()
-        self.writes: queue.SimpleQueue[tuple[str, Kept | None] | None] | None = None  # to the disk, when persisted
+        self.writes: queue.Queue[tuple[str, Kept | None] | None] | None = None  # to the disk, when persisted
         self.writer: threading.Thread | None = None
+        self.unwritten = 0  # answers the disk did not get (queue full, or the write failed): a restart forgets them
 
     def persist(self, folder: Path) -> int:
         """Keep the answers in ``folder``/responses.sqlite too, from now on; the ones kept there before (the last
-        ``max_responses``) are read back first. Returns how many."""
+        ``max_responses``) are read back first. Returns how many. The file is the sidecar's own: created 0600,
+        never through a link, refused when another uid owns it."""
         path = folder / DB_FILE
-        fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)  # created private, before SQLite opens it
-        os.close(fd)
+        fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW, 0o600)
+        try:
+            if os.fstat(fd).st_uid != os.geteuid():
+                raise PermissionError(f"{path} belongs to another user")
+            os.fchmod(fd, 0o600)  # SQLite gives its -wal and -shm files the database's mode
+        finally:
+            os.close(fd)
+        for beside in (folder / f"{DB_FILE}-wal", folder / f"{DB_FILE}-shm"):
+            if beside.is_symlink():
+                raise PermissionError(f"{beside} is a link")
+            if beside.exists():
+                beside.chmod(0o600)
         db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=NORMAL")  # a committed answer survives the process; a power cut may lose it
@@ -125,38 +142,61 @@ class ResponseStore:
         rows = db.execute(
             "SELECT episode, call_id, input, response FROM kept ORDER BY n DESC LIMIT ?", (self.max_responses,)
         ).fetchall()
+        read = 0
         for episode, call_id, sent, response in reversed(rows):
-            self._keep(Kept(episode, call_id, json.loads(sent), json.loads(response)))
+            try:  # a row that cannot be read back is skipped: the others are still served
+                kept = Kept(str(episode), str(call_id), list(codec.loads(sent)), dict(codec.loads(response)))
+                if isinstance(kept.response.get("id"), str):
+                    self._keep(kept)
+                    read += 1
+            except Exception as error:
+                log.error("a stored response could not be read back (%s); skipped", type(error).__name__)
         db.execute("DELETE FROM kept WHERE n <= (SELECT MAX(n) FROM kept) - ?", (self.max_responses,))
-        self.writes = queue.SimpleQueue()
-        self.writer = threading.Thread(target=self._write, args=(db, self.writes), name="forge-responses", daemon=True)
+        (size,) = db.execute("SELECT COALESCE(SUM(length(input) + length(response)), 0) FROM kept").fetchone()
+        self.writes = queue.Queue(MAX_QUEUED)
+        self.writer = threading.Thread(
+            target=self._write, args=(db, self.writes, int(size)), name="forge-responses", daemon=True
+        )
         self.writer.start()
-        return len(rows)
+        return read
 
-    def _write(self, db: sqlite3.Connection, writes: "queue.SimpleQueue[tuple[str, Kept | None] | None]") -> None:
-        """The disk's side: each kept answer inserted, each dropped one deleted, in order; ``None`` ends it."""
+    def _write(self, db: sqlite3.Connection, writes: "queue.Queue[tuple[str, Kept | None] | None]", size: int) -> None:
+        """The disk's side: each kept answer inserted, each dropped one deleted, in order, the file kept within
+        ``max_disk_bytes`` (oldest first); ``None`` ends it."""
         while (op := writes.get()) is not None:
             response_id, kept = op
             try:
                 if kept is None:
                     db.execute("DELETE FROM kept WHERE response_id = ?", (response_id,))
-                else:
-                    db.execute(
-                        "INSERT OR REPLACE INTO kept (response_id, episode, call_id, input, response) "
-                        "VALUES (?, ?, ?, ?, ?)",
-                        (response_id, kept.episode, kept.call_id, json.dumps(kept.input), json.dumps(kept.response)),
-                    )
-            except (sqlite3.Error, TypeError, ValueError) as error:  # the answer stays served from memory
+                    continue
+                row = (codec.dumps(kept.input), codec.dumps(kept.response))
+                db.execute(
+                    "INSERT OR REPLACE INTO kept (response_id, episode, call_id, input, response) "
+                    "VALUES (?, ?, ?, ?, ?)",
+                    (response_id, kept.episode, kept.call_id, *row),
+                )
+                size += len(row[0]) + len(row[1])
+                while size > self.max_disk_bytes:
+                    oldest = db.execute("SELECT n, length(input) + length(response) FROM kept ORDER BY n LIMIT 1")
+                    if (found := oldest.fetchone()) is None:
+                        break
+                    db.execute("DELETE FROM kept WHERE n = ?", (found[0],))
+                    size -= found[1]
+            except Exception as error:  # the answer stays served from memory; the thread goes on
+                self.unwritten += 1
                 log.error("a stored response could not be written to disk (%s); a restart forgets it",
                           type(error).__name__)  # fmt: skip
         db.close()
 
-    def close(self, timeout_s: float = 5.0) -> None:
+    def close(self, timeout_s: float = 2.0) -> None:
         """Write what is queued and close the file (a graceful stop)."""
         if self.writes is not None and self.writer is not None:
-            self.writes.put(None)
+            writes, self.writes = self.writes, None
+            try:
+                writes.put(None, timeout=timeout_s)
+            except queue.Full:
+                return
             self.writer.join(timeout_s)
-            self.writes = None
 
     def _response(self, episode: str, response_id: Any, param: str | None = "previous_response_id") -> Kept:
         kept = self.responses.get(response_id) if isinstance(response_id, str) else None
@@ -204,7 +244,10 @@ class ResponseStore:
 
     def _written(self, response_id: str, kept: Kept | None) -> None:
         if self.writes is not None:
-            self.writes.put((response_id, kept))
+            try:
+                self.writes.put_nowait((response_id, kept))
+            except queue.Full:  # the disk is behind: never wait for it on a call's path
+                self.unwritten += 1
 
     def _keep(self, kept: Kept) -> list[str]:
         """Index an answer by its response id and item ids (the lock held, or at start); the ids of the answers

@@ -18,7 +18,8 @@ __all__ = ["REGISTRY", "Api", "api_for", "messages", "openai", "responses"]
 
 # Each recorded module as a WireApi: mypy checks every one against the contract (``register`` takes it as a module).
 CONTRACT: tuple[WireApi, ...] = (openai, responses, messages)
-# The request fields that bound the completion's length, per recorded API (the first is set when none is given).
+# The request fields that bound the completion's length, per recorded API (the first is set when none is given): as
+# registered when this package was imported (the code reads the registry itself).
 MAX_TOKEN_FIELDS = {api.name: api.max_token_fields for api in REGISTRY.values() if api.serve == RECORDED}
 # Request fields of vLLM's own that no OpenAI or Anthropic client sends and that steer its internals: the prompt
 # (prompt ids given through kv_transfer_params, another chat template, no generation prompt), the prefix cache
@@ -94,7 +95,7 @@ def _bound(value: object) -> int | None:
 
 def _effective(api: str, body: dict[str, Any]) -> int | None:
     """The bound the server obeys: the first integer field in its order of precedence."""
-    values = (_bound(body.get(name)) for name in REGISTRY[api].effective_order or MAX_TOKEN_FIELDS[api])
+    values = (_bound(body.get(name)) for name in REGISTRY[api].effective_order or REGISTRY[api].max_token_fields)
     return next((value for value in values if value is not None), None)
 
 
@@ -102,7 +103,7 @@ def bound_completion(api: str, body: dict[str, Any], cap: int | None, context: i
     """Lower (in place) each completion-length field above what the policy can serve: the server's context and the
     rollout's ``cap`` (``--max-completion-tokens``). A field that is not an integer, or not positive, is left for
     the server to judge; with a cap and no field, the first field is set to the cap."""
-    fields = MAX_TOKEN_FIELDS[api]
+    fields = REGISTRY[api].max_token_fields
     requested = _effective(api, body)
     limit = min((b for b in (cap, context) if b), default=None)
     if limit is not None:

@@ -1,6 +1,7 @@
 """The stored Responses answers survive a restart (sidecar/response_store.py): written through to the WAL folder,
 read back at start, with the same walls between episodes and the same bound."""
 
+import sqlite3
 import stat
 from typing import Any
 
@@ -71,3 +72,45 @@ def test_without_a_folder_nothing_is_written(tmp_path):
     store.keep("a", "call-1", asked(1), answer(1))
     store.close()
     assert not list(tmp_path.iterdir())
+
+
+def test_a_row_that_cannot_be_read_back_is_skipped_and_the_rest_served(tmp_path):
+    before = ResponseStore()
+    before.persist(tmp_path)
+    before.keep("a", "call-1", asked(1), answer(1))
+    before.close()
+    with sqlite3.connect(tmp_path / DB_FILE) as db:
+        db.execute("INSERT INTO kept (response_id, episode, call_id, input, response) VALUES ('x', 'a', 'c', "
+                   "'[not json', '{}')")  # fmt: skip
+    after = ResponseStore()
+    assert after.persist(tmp_path) == 1
+    assert continued(after, "a", "resp_1")[: len(asked(1))] == asked(1)
+    after.close()
+
+
+def test_the_file_is_the_sidecars_own_whatever_was_there(tmp_path):
+    (tmp_path / DB_FILE).touch(mode=0o644)
+    (tmp_path / DB_FILE).chmod(0o644)
+    ResponseStore().persist(tmp_path)
+    for name in (DB_FILE, f"{DB_FILE}-wal", f"{DB_FILE}-shm"):
+        if (tmp_path / name).exists():
+            assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o600, name
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / DB_FILE).symlink_to(tmp_path / "elsewhere.sqlite")
+    with pytest.raises(OSError):
+        ResponseStore().persist(linked)
+    assert not (tmp_path / "elsewhere.sqlite").exists()
+
+
+def test_the_file_stays_within_its_byte_bound(tmp_path):
+    store = ResponseStore(max_disk_bytes=2000)
+    store.persist(tmp_path)
+    for n in range(20):
+        store.keep("a", f"call-{n}", asked(n) * 5, answer(n))
+    store.close()
+    with sqlite3.connect(tmp_path / DB_FILE) as db:
+        (size,) = db.execute("SELECT SUM(length(input) + length(response)) FROM kept").fetchone()
+        (count,) = db.execute("SELECT COUNT(*) FROM kept").fetchone()
+    assert size <= 2000 and 0 < count < 20
+    assert ResponseStore().persist(tmp_path) == count  # the newest ones
