@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from sidecar import codec
-from sidecar.apis import CompletionBound, responses
+from sidecar.apis import REGISTRY, CompletionBound, responses
 from sidecar.apis.base import Sampled, Served
 from sidecar.apis.base import StreamState as BaseStreamState
 from sidecar.apis.errors import error_body, error_headers
@@ -67,7 +67,6 @@ class Relaying(Protocol):
 
 log = logging.getLogger("openforge.sidecar")
 MODES = ("auto", "observe", "off")
-APIS = ("chat", "messages", "responses")  # the wire APIs served tokens-in
 RENDER_PATH = "/v1/chat/completions/render"
 RESPONSES_RENDER_PATH = "/v1/responses/render"
 REUSED_IDS = "prompt_token_ids"  # vLLM's decode-side token reuse: kv_transfer_params[REUSED_IDS] is the prompt
@@ -75,6 +74,12 @@ HTTP_TIMEOUT_S = 10.0
 TOKENS_IN_FAULTS = frozenset({400, 404, 413, 422})  # answers the prompt ids may cause (too long, refused)
 MAX_CANDIDATES = 2  # earlier calls whose text is compared (each costs two /detokenize calls)
 DECODE_BACKOFF = 8  # decode from a few ids before the divergence: never start inside a multi-byte character
+
+
+def strategy(api: str) -> str | None:
+    """How a wire API is served tokens-in (its registry entry): rendered as "chat" or "responses"; None: not."""
+    entry = REGISTRY.get(api)
+    return entry.tokens_in if entry is not None else None
 
 
 # -- the decision (pure) ----------------------------------------------------------------------------------------
@@ -212,7 +217,7 @@ _ANSWER_ITEMS = frozenset({"function_call", "custom_tool_call", "reasoning", "lo
 
 def answers_in_history(api: str, body: dict[str, Any]) -> bool:
     """Whether the request sends an earlier answer back (the only text whose ids can have been sampled)."""
-    if api == "responses":
+    if strategy(api) == "responses":
         items = body.get("input")
         return isinstance(items, list) and any(
             isinstance(i, dict) and (i.get("role") == "assistant" or i.get("type") in _ANSWER_ITEMS) for i in items
@@ -257,12 +262,12 @@ class Continuations:
         (any tool choice or response format: vLLM applies them to the ids as to its own rendering).
         Responses calls whose whole history is in the request (no ``previous_response_id``: vLLM would add stored
         turns the render does not see) and whose harness asked for no message ids or reuse of its own."""
-        if self.mode == "off" or api not in APIS or added is None:
+        if self.mode == "off" or strategy(api) is None or added is None:
             return False
-        if api == "responses":
+        if strategy(api) == "responses":
             return (isinstance(added, responses.Additions) and not added.harness_messages
                     and not body.get("previous_response_id") and body.get("kv_transfer_params") is None)  # fmt: skip
-        chat = added.chat if api == "messages" else added
+        chat = getattr(added, "chat", added)  # Messages: the additions of the chat request it is served as
         return not (chat.harness_ids or chat.harness_logprobs or body.get("n", 1) != 1 or body.get("prompt_logprobs"))
 
     async def examine(
@@ -281,7 +286,7 @@ class Continuations:
             return None  # no answer sent back as history: nothing sampled to re-tokenize (no render asked)
         started = time.perf_counter()
         model = str(body.get("model"))
-        render_path = RESPONSES_RENDER_PATH if api == "responses" else RENDER_PATH
+        render_path = RESPONSES_RENDER_PATH if strategy(api) == "responses" else RENDER_PATH
         rendered = await self._call(render_path, {**body, "stream": False, "stream_options": None})
         rendered_ids: list[int] = rendered["token_ids"]
         timings = {"render_ms": (time.perf_counter() - started) * 1e3}
@@ -341,7 +346,7 @@ class Continuations:
     async def prepare(self, flow: "http.HTTPFlow", call: Call, episode_sequences: list[tuple[str, bytes]]) -> None:
         """The addon's hook (``request``, after the wire API prepared the request and its completion bound was
         set): examine the call; serve it tokens-in when it applies. Fail-open."""
-        if self.mode == "off" or call.added is None or not episode_sequences or call.api not in APIS:
+        if self.mode == "off" or call.added is None or not episode_sequences or strategy(call.api) is None:
             return
         try:
             body = json.loads(flow.request.content or b"")
