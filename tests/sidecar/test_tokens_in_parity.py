@@ -198,6 +198,28 @@ def test_chat_given_as_ids_is_answered_as_given_as_messages(client, model, tool_
         assert (expected["reasoning"] is not None) == (tool_choice != "named"), expected
 
 
+def _two_calls(a: str, b: str) -> list[dict[str, str]]:
+    calls = [json.dumps({"name": "read", "arguments": {"path": name}}) for name in (a, b)]
+    return [{"role": "user", "content": f"Read {a} and {b}"},
+            {"role": "assistant", "content": "\n".join(f"<tool_call>\n{c}\n</tool_call>" for c in calls)}]  # fmt: skip
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("parallel", [True, False], ids=["parallel", "one"])
+def test_parallel_tool_calls_are_obeyed_as_on_the_normal_path(client, model, parallel, stream):
+    """Greedy, the policy calls the tool twice; ``parallel_tool_calls: false`` keeps the first call only."""
+    history = [*_two_calls("a.txt", "b.txt"), *_two_calls("c.txt", "d.txt"),
+               {"role": "user", "content": "Read e.txt and f.txt"}]  # fmt: skip
+    request = {"model": model, "messages": history, "tools": TOOLS, "max_tokens": 90, "temperature": 0,
+               "stream": stream, "parallel_tool_calls": parallel}  # fmt: skip
+    (normal, normal_out), (ours, ours_out) = (_serve(client, "chat", request, t) for t in (False, True))
+    _assert_same(normal, ours)
+    expected = _chat_view(normal_out, stream)
+    assert _chat_view(ours_out, stream) == expected
+    if not stream:
+        assert len(expected["tools"]) == (2 if parallel else 1), expected
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 @pytest.mark.parametrize("tool_choice", ["absent", "auto", "named", "none"])
 def test_messages_given_as_ids_are_answered_as_given_as_messages(client, model, tool_choice, stream):
