@@ -5,29 +5,30 @@ need not be the one the policy sampled (a sampled ``Punct`` comes back as ``P`` 
 one ``\\n\\n``). The prompt then no longer extends the previous call's prompt + completion ids, and the episode
 forks. Here, before a call goes upstream:
 
-1. its prompt is rendered by the policy server's own template (``/v1/chat/completions/render``: ids and the
-   sampling parameters vLLM would use);
+1. its prompt is rendered by the policy server's own template (``/v1/chat/completions/render``, or
+   ``/v1/responses/render``: the ids vLLM would prompt with);
 2. if the rendered ids extend an earlier call of the episode (prompt + completion) nothing is done: the normal
    path already continues the segment;
 3. else, with E the earlier call's ids and R the rendered ones, diverging at k: R's copy of E[k:] ends at the
    same count of end-of-turn tokens (special tokens are never re-tokenized); if E[k:] and that part of R decode
    to the same text (``/detokenize``), the call is a re-tokenization and is served tokens-in from E + the rest of
-   R through ``/v1/completions`` (token-id prompt, the rendered sampling parameters); otherwise it is a real
-   rewrite (compaction, sub-agent, edited history, changed tool-call ids) and goes on as today (it forks).
+   R; otherwise it is a real rewrite (compaction, sub-agent, edited history, changed tool-call ids) and goes on as
+   today (it forks).
 
-The answer is turned back into the chat answer vLLM would have given (hermes tool calls parsed as vLLM's parser
-does) and handed to the wire API's own module (Chat Completions, or Anthropic Messages translated from it), so
-the harness gets its own format.
-
-OpenAI Responses (Codex) is rendered by ``/v1/responses/render`` (vLLM turns ``instructions``, ``input`` items and
-tools into chat messages and renders them with the same template) and served by vLLM's own ``/v1/responses`` with
-the prompt ids given: its decode-side token reuse (``kv_transfer_params.prompt_token_ids``, vLLM 0.32
-``renderers/online_renderer.py``) skips templating and tokenizing and runs everything else as on the normal path
-(tool parsing into ``function_call`` / ``custom_tool_call`` items, the streamed events, usage). The answer is the
-normal path's by construction and the Responses module takes it back as always. vLLM ignores the ids for a prompt
-with non-text content (it renders it): the answer's own prompt ids are compared with the ids sent, and such a call
-is recorded as served normally. Nothing is ever re-tokenized for training: the prompt ids are sampled ids plus
-the template's rendering of what the harness added; the completion ids are the ones vLLM sampled.
+A call is served tokens-in by the endpoint the normal path uses, as its wire module prepared it, with the prompt
+ids given: vLLM's decode-side token reuse (``kv_transfer_params.prompt_token_ids``; vLLM 0.32
+``renderers/online_renderer.py``: ``_reused_prompt_token_ids``, called by ``OnlineRenderer.preprocess_chat`` for
+``/v1/chat/completions`` and ``/v1/responses``) skips templating and tokenizing and runs everything else as on the
+normal path: the completion bound from the ids' length (``get_max_tokens``), structured outputs for a required or
+named tool choice, the server's tool and reasoning parsers, the stream, usage. Chat Completions calls and Anthropic
+Messages calls (which ``sidecar/apis/messages.py`` serves through vLLM's chat endpoint) are rendered by
+``/v1/chat/completions/render``; OpenAI Responses calls (Codex) by ``/v1/responses/render`` (vLLM turns
+``instructions``, ``input`` items and tools into chat messages and renders them with the same template). The
+answer is the normal path's by construction, and the wire module takes it back as always (``ReusedIds``). vLLM
+ignores the ids for a prompt with non-text content (it renders it): the answer's own prompt ids are compared with
+the ids sent, and such a call is recorded as served normally. Nothing is ever re-tokenized for training: the
+prompt ids are sampled ids plus the template's rendering of what the harness added; the completion ids are the
+ones vLLM sampled.
 
 Fail-open: any failure before the call goes out leaves it on the normal path; a tokens-in answer that is an
 error is replaced by the normal path's answer (asked again), and the record's note says why. The record's
@@ -39,21 +40,18 @@ import asyncio
 import json
 import logging
 import os
-import re
 import time
 import urllib.error
 import urllib.request
-import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from sidecar import codec
-from sidecar.apis import CompletionBound, responses
-from sidecar.apis.base import Sampled, Served, compact
+from sidecar.apis import REGISTRY, CompletionBound, responses
+from sidecar.apis.base import Sampled, Served
 from sidecar.apis.base import StreamState as BaseStreamState
 from sidecar.apis.errors import error_body, error_headers
 from sidecar.call import Call, Decision
-from sidecar.sse import DONE, parse_event
 
 if TYPE_CHECKING:
     from mitmproxy import http
@@ -69,25 +67,19 @@ class Relaying(Protocol):
 
 log = logging.getLogger("openforge.sidecar")
 MODES = ("auto", "observe", "off")
-APIS = ("chat", "messages", "responses")  # the wire APIs served tokens-in
 RENDER_PATH = "/v1/chat/completions/render"
 RESPONSES_RENDER_PATH = "/v1/responses/render"
 REUSED_IDS = "prompt_token_ids"  # vLLM's decode-side token reuse: kv_transfer_params[REUSED_IDS] is the prompt
-COMPLETIONS_PATH = "/v1/completions"
 HTTP_TIMEOUT_S = 10.0
-TOKENS_IN_FAULTS = frozenset({400, 404, 413, 422})  # answers of /v1/completions a chat request would not get
+TOKENS_IN_FAULTS = frozenset({400, 404, 413, 422})  # answers the prompt ids may cause (too long, refused)
 MAX_CANDIDATES = 2  # earlier calls whose text is compared (each costs two /detokenize calls)
 DECODE_BACKOFF = 8  # decode from a few ids before the divergence: never start inside a multi-byte character
-# The rendered sampling parameters passed on to /v1/completions by the same name; those ignored (vLLM's internal
-# bookkeeping, or what the sidecar sets itself); any other non-default one keeps the call on the normal path.
-PASSED = {
-    "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed",
-    "stop", "stop_token_ids", "max_tokens", "min_tokens", "ignore_eos", "include_stop_str_in_output",
-    "skip_special_tokens", "spaces_between_special_tokens", "bad_words",
-}  # fmt: skip
-IGNORED = {"logprobs", "output_kind", "skip_clone", "output_text_buffer_length", "skip_reading_prefix_cache", "n"}
-TOOL_CALL_START = "<tool_call>"
-TOOL_CALL_REGEX = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)  # vLLM's hermes parser
+
+
+def strategy(api: str) -> str | None:
+    """How a wire API is served tokens-in (its registry entry): rendered as "chat" or "responses"; None: not."""
+    entry = REGISTRY.get(api)
+    return entry.tokens_in if entry is not None else None
 
 
 # -- the decision (pure) ----------------------------------------------------------------------------------------
@@ -130,137 +122,12 @@ def retokenized_split(earlier: list[int], rendered: list[int], end_of_turn: int)
     return None
 
 
-def hermes_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]] | None]:
-    """(content, tool calls) as vLLM's hermes parser extracts them from a whole answer (None: no tool call)."""
-    if TOOL_CALL_START not in text:
-        return text, None
-    try:
-        found = [json.loads(a or b) for a, b in TOOL_CALL_REGEX.findall(text)]
-        calls = [
-            {"id": f"chatcmpl-tool-{uuid.uuid4().hex[:16]}", "type": "function",
-             "function": {"name": f["name"], "arguments": json.dumps(f["arguments"], ensure_ascii=False)}}
-            for f in found
-        ]  # fmt: skip
-    except Exception:  # vLLM logs it and answers the text as content
-        return text, None
-    content = text[: text.find(TOOL_CALL_START)]
-    return (content or None), calls
-
-
-def partial_tag_overlap(text: str, tag: str) -> int:
-    """How many trailing characters of ``text`` could begin ``tag``."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
-
-
-def completions_request(
-    model: str | None, prompt: list[int], rendered: dict[str, Any], rendered_len: int, asked_max: bool, stream: bool,
-    max_tokens: int | None = None,
-) -> dict[str, Any] | None:  # fmt: skip
-    """The /v1/completions request serving a chat call tokens-in, from the parameters vLLM rendered for it; None
-    when they hold one this path does not carry over (the call stays on the normal path).
-
-    ``max_tokens``: the call's completion bound for this prompt (``CompletionBound.served``: the bound sent, and the
-    room this prompt leaves in the context), when known. vLLM rendered its own from the re-tokenized prompt, whose
-    length differs: without it, the room is corrected by that difference when the harness set no bound."""
-    params = rendered.get("sampling_params") or {}
-    body: dict[str, Any] = {"model": model, "prompt": prompt, "return_token_ids": True, "logprobs": 0}
-    for name, value in params.items():
-        if name in PASSED:
-            body[name] = value
-        elif name not in IGNORED and value not in (None, [], {}, False, 0):
-            return None
-    if params.get("n", 1) not in (None, 1):
-        return None
-    if max_tokens is not None:
-        body["max_tokens"] = max_tokens
-    elif not asked_max and isinstance(body.get("max_tokens"), int):  # vLLM's default: what the context leaves
-        body["max_tokens"] -= len(prompt) - rendered_len
-    if isinstance(body.get("max_tokens"), int) and body["max_tokens"] < 1:
-        return None  # no room left: the normal path answers (vLLM's own error)
-    for name in ("cache_salt", "priority"):
-        if rendered.get(name) is not None:
-            body[name] = rendered[name]
-    if stream:
-        body["stream"] = True
-        body["stream_options"] = {"include_usage": True}
-    return body
-
-
-# -- the answer: completions → the chat answer vLLM would give --------------------------------------------------
-@dataclass
-class Additions:
-    """A call served tokens-in (a ``Served``): the wire API's own additions, which take the chat answer made from
-    the /v1/completions one back to the harness's format, and what that chat answer needs."""
-
-    inner: Served  # the wire API's own additions (Chat Completions, or Anthropic Messages through chat)
-    stream: bool
-    tools: bool  # the request has tools and tool_choice auto: hermes parsing applies
-    prompt_ids: list[int]
-    note: str
-    upstream_path: str | None = COMPLETIONS_PATH
-
-    @property
-    def api(self) -> str:
-        return self.inner.api
-
-    def finish(self, answer: dict[str, Any]) -> tuple[Sampled, dict[str, Any]]:
-        return finish(self, answer)
-
-    def stream_state(self) -> "StreamState":
-        return StreamState(self)
-
-    def error_event(self, message: str) -> bytes:
-        """The end of a failed stream in the harness's own format (the inner module's, not /v1/completions')."""
-        return self.inner.error_event(message)
-
-
-def _chat_logprobs(values: list[Any], tokens: list[Any]) -> dict[str, Any]:
-    return {"content": [{"token": t or "", "logprob": v, "bytes": None, "top_logprobs": []}
-                        for v, t in zip(values, tokens + [None] * len(values), strict=False)]}  # fmt: skip
-
-
-def chat_answer(added: Additions, answer: dict[str, Any]) -> dict[str, Any]:
-    """A whole /v1/completions answer as vLLM's whole chat answer (ids and logprobs kept, for the inner module)."""
-    choice = (answer.get("choices") or [{}])[0]
-    text = choice.get("text") or ""
-    content, calls = hermes_tool_calls(text) if added.tools else (text, None)
-    message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None, "annotations": None,
-                               "audio": None, "function_call": None}  # fmt: skip
-    if calls:
-        message["tool_calls"] = calls
-    message["reasoning"] = None
-    logprobs = choice.get("logprobs") or {}
-    return {
-        "id": "chatcmpl-" + str(answer.get("id") or uuid.uuid4().hex).removeprefix("cmpl-"),
-        "object": "chat.completion", "created": answer.get("created") or int(time.time()),
-        "model": answer.get("model"),
-        "choices": [{
-            "index": 0, "message": message,
-            "logprobs": _chat_logprobs(logprobs.get("token_logprobs") or [], logprobs.get("tokens") or []),
-            "finish_reason": "tool_calls" if calls else (choice.get("finish_reason") or "stop"),
-            "stop_reason": choice.get("stop_reason"), "token_ids": choice.get("token_ids"), "routed_experts": None,
-        }],
-        "service_tier": None, "system_fingerprint": answer.get("system_fingerprint"), "usage": answer.get("usage"),
-        "prompt_logprobs": None, "prompt_token_ids": choice.get("prompt_token_ids") or added.prompt_ids,
-        "prompt_text": None, "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None,
-    }  # fmt: skip
-
-
-def finish(added: Additions, answer: dict[str, Any]) -> tuple[Sampled, dict[str, Any]]:
-    sampled, out = added.inner.finish(chat_answer(added, answer))
-    sampled.note = "; ".join(filter(None, [sampled.note, added.note]))
-    return sampled, out
-
-
 @dataclass
 class ReusedIds:
-    """A Responses call served tokens-in (a ``Served``): vLLM's own /v1/responses given the prompt ids, so the
-    Responses module's additions take the answer back unchanged. vLLM falls back to rendering the prompt itself
-    (non-text content); where the answer's prompt ids are not the ones sent, the decision says it was served
-    normally (the record then holds what vLLM rendered, as on the normal path)."""
+    """A call served tokens-in (a ``Served``): vLLM's own endpoint given the prompt ids, so the wire module's
+    additions take the answer back unchanged. vLLM falls back to rendering the prompt itself (non-text content);
+    where the answer's prompt ids are not the ones sent, the decision says it was served normally (the record then
+    holds what vLLM rendered, as on the normal path)."""
 
     inner: Served
     prompt_ids: list[int]
@@ -300,7 +167,7 @@ class ReusedIds:
 
 
 class ReusedIdsStream:
-    """The Responses module's stream state, its ids checked as ``ReusedIds.check`` does."""
+    """The wire module's stream state, its ids checked as ``ReusedIds.check`` does."""
 
     def __init__(self, added: ReusedIds, inner: BaseStreamState) -> None:
         self.added = added
@@ -318,6 +185,10 @@ class ReusedIdsStream:
     def events(self) -> int:
         return self.inner.events
 
+    @property
+    def gather_error(self) -> str | None:  # the Messages module's: ids it could not gather
+        return getattr(self.inner, "gather_error", None)
+
     def feed_event(self, raw: bytes) -> list[bytes]:
         return self.inner.feed_event(raw)
 
@@ -326,124 +197,8 @@ class ReusedIdsStream:
 
 
 def reused_ids_request(body: dict[str, Any], prompt: list[int]) -> dict[str, Any]:
-    """The /v1/responses request serving a call tokens-in: the call as prepared, with its prompt ids given."""
+    """The request serving a call tokens-in: the call as its wire module prepared it, with its prompt ids given."""
     return {**body, "kv_transfer_params": {REUSED_IDS: prompt}}
-
-
-class StreamState:
-    """/v1/completions chunks in; vLLM-style chat chunks made from them go through the inner module's stream state
-    (which gathers the ids and writes what the harness gets). Text is sent on live; with tools, from a possible
-    ``<tool_call>`` on it is held back and parsed as a whole at the end (as vLLM's hermes parser would)."""
-
-    def __init__(self, added: Additions) -> None:
-        self.added = added
-        self.inner = added.inner.stream_state()
-        self.text = ""
-        self.sent = 0  # characters of text sent on as content
-        self.started = False
-        self.finish_reason: str | None = None
-        self.stop_reason: Any = None
-        self.chat_id = "chatcmpl-" + uuid.uuid4().hex
-        self.model: str | None = None
-        self.created = int(time.time())
-
-    @property
-    def done(self) -> bool:
-        return bool(self.inner.done)
-
-    @property
-    def sampled(self) -> Sampled:
-        sampled: Sampled = self.inner.sampled
-        if self.added.note not in (sampled.note or ""):
-            sampled.note = "; ".join(filter(None, [sampled.note, self.added.note]))
-        return sampled
-
-    @property
-    def events(self) -> int:
-        return int(self.inner.events)
-
-    @property
-    def gather_error(self) -> str | None:
-        return getattr(self.inner, "gather_error", None)
-
-    def summary(self) -> dict[str, Any]:
-        return {**self.inner.summary(), "served": "tokens-in"}
-
-    def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> bytes:
-        chunk = {"id": self.chat_id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                 "choices": choices, **extra}  # fmt: skip
-        return f"data: {compact(chunk)}\n\n".encode()
-
-    def _sendable(self) -> str:
-        if not self.added.tools:
-            end = len(self.text)
-        elif TOOL_CALL_START in self.text:
-            end = self.text.index(TOOL_CALL_START)
-        else:
-            end = len(self.text) - partial_tag_overlap(self.text, TOOL_CALL_START)
-        piece, self.sent = self.text[self.sent : max(end, self.sent)], max(end, self.sent)
-        return piece
-
-    def feed_event(self, raw: bytes) -> list[bytes]:
-        parsed = parse_event(raw)
-        if parsed.done:
-            return self._feed(f"data: {DONE}\n\n".encode())
-        chunk = parsed.payload
-        if chunk is None:
-            return []
-        if parsed.error is not None:
-            return self._feed(raw)
-        self.model = self.model or chunk.get("model")
-        events: list[bytes] = []
-        for choice in chunk.get("choices") or []:
-            if choice.get("index", 0) != 0:
-                continue
-            if not self.started:
-                self.started = True
-                role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                        "finish_reason": None}  # fmt: skip
-                prompt = choice.get("prompt_token_ids") or self.added.prompt_ids
-                events.append(self._chunk([role], prompt_token_ids=prompt))
-            self.text += choice.get("text") or ""
-            logprobs = choice.get("logprobs") or {}
-            ids = choice.get("token_ids") or []
-            if ids:
-                events.append(self._chunk([{
-                    "index": 0, "delta": {"content": self._sendable()},
-                    "logprobs": _chat_logprobs(logprobs.get("token_logprobs") or [], logprobs.get("tokens") or []),
-                    "finish_reason": None, "token_ids": ids,
-                }]))  # fmt: skip
-            if choice.get("finish_reason"):
-                self.finish_reason, self.stop_reason = choice["finish_reason"], choice.get("stop_reason")
-                events += self._close()
-        if chunk.get("usage") is not None and not chunk.get("choices"):
-            events.append(self._chunk([], usage=chunk["usage"]))
-        out: list[bytes] = []
-        for event in events:
-            out += self._feed(event)
-        return out
-
-    def _close(self) -> list[bytes]:
-        held = self.text[self.sent :]
-        calls = None
-        if self.added.tools and held:
-            _, calls = hermes_tool_calls(self.text)
-        events = []
-        if calls:
-            for index, call in enumerate(calls):
-                events.append(self._chunk([{"index": 0, "delta": {"tool_calls": [{**call, "index": index}]},
-                                            "logprobs": None, "finish_reason": None}]))  # fmt: skip
-        elif held:
-            self.sent = len(self.text)
-            events.append(self._chunk([{"index": 0, "delta": {"content": held}, "logprobs": None,
-                                        "finish_reason": None}]))  # fmt: skip
-        reason = "tool_calls" if calls else self.finish_reason
-        events.append(self._chunk([{"index": 0, "delta": {}, "logprobs": None, "finish_reason": reason,
-                                    "stop_reason": self.stop_reason}]))  # fmt: skip
-        return events
-
-    def _feed(self, event: bytes) -> list[bytes]:
-        return list(self.inner.feed_event(event))
 
 
 # -- the work around a call --------------------------------------------------------------------------------------
@@ -462,7 +217,7 @@ _ANSWER_ITEMS = frozenset({"function_call", "custom_tool_call", "reasoning", "lo
 
 def answers_in_history(api: str, body: dict[str, Any]) -> bool:
     """Whether the request sends an earlier answer back (the only text whose ids can have been sampled)."""
-    if api == "responses":
+    if strategy(api) == "responses":
         items = body.get("input")
         return isinstance(items, list) and any(
             isinstance(i, dict) and (i.get("role") == "assistant" or i.get("type") in _ANSWER_ITEMS) for i in items
@@ -503,26 +258,24 @@ class Continuations:
         return str((await self._call("/detokenize", {"model": model, "tokens": ids}))["prompt"])
 
     def eligible(self, api: str, body: dict[str, Any], added: Any) -> bool:
-        """Chat and Messages calls (served through chat) with one choice, no ids or logprobs asked by the harness,
-        and tool choice auto or none (required/named ones are structured outputs: the normal path only).
+        """Chat and Messages calls (served through chat) with one choice and no ids or logprobs asked by the harness
+        (any tool choice or response format: vLLM applies them to the ids as to its own rendering).
         Responses calls whose whole history is in the request (no ``previous_response_id``: vLLM would add stored
         turns the render does not see) and whose harness asked for no message ids or reuse of its own."""
-        if self.mode == "off" or api not in APIS or added is None:
+        if self.mode == "off" or strategy(api) is None or added is None:
             return False
-        if api == "responses":
+        if strategy(api) == "responses":
             return (isinstance(added, responses.Additions) and not added.harness_messages
                     and not body.get("previous_response_id") and body.get("kv_transfer_params") is None)  # fmt: skip
-        chat = added.chat if api == "messages" else added
-        if chat.harness_ids or chat.harness_logprobs or body.get("n", 1) != 1 or body.get("prompt_logprobs"):
-            return False
-        return body.get("tool_choice") in (None, "auto", "none") and not body.get("response_format")
+        chat = getattr(added, "chat", added)  # Messages: the additions of the chat request it is served as
+        return not (chat.harness_ids or chat.harness_logprobs or body.get("n", 1) != 1 or body.get("prompt_logprobs"))
 
     async def examine(
         self, api: str, episode_sequences: list[tuple[str, bytes]], body: dict[str, Any], added: Any, path: str,
         bound: CompletionBound | None = None, continues: str | None = None,
     ) -> tuple[Decision, dict[str, Any] | None] | None:  # fmt: skip
         """For an eligible call with earlier calls in its episode: None (ids extend, or nothing to compare), or the
-        decision and, when it is to be served tokens-in, the /v1/completions request.
+        decision and, when it is to be served tokens-in, the request (``reused_ids_request``).
 
         ``continues``: the call whose whole input and output this request's input begins with, known by id (a
         stored Responses answer, ``sidecar/response_store.py``). Its text is not compared: the template may not
@@ -533,7 +286,7 @@ class Continuations:
             return None  # no answer sent back as history: nothing sampled to re-tokenize (no render asked)
         started = time.perf_counter()
         model = str(body.get("model"))
-        render_path = RESPONSES_RENDER_PATH if api == "responses" else RENDER_PATH
+        render_path = RESPONSES_RENDER_PATH if strategy(api) == "responses" else RENDER_PATH
         rendered = await self._call(render_path, {**body, "stream": False, "stream_options": None})
         rendered_ids: list[int] = rendered["token_ids"]
         timings = {"render_ms": (time.perf_counter() - started) * 1e3}
@@ -573,22 +326,16 @@ class Continuations:
             return Decision("rewrite", note=differs, timings_ms=timings), None
         earlier, split = found
         prompt = earlier + rendered_ids[split.end :]
-        request: dict[str, Any] | None
-        if api == "responses":  # vLLM bounds the completion by the room this prompt leaves, as on the normal path
-            request = reused_ids_request(body, prompt)
-        else:
-            chat = added.chat if api == "messages" else added
-            asked_max = any(isinstance(body.get(k), int) for k in ("max_tokens", "max_completion_tokens"))
-            served_max = bound.served(len(prompt)) if bound is not None else None  # what the record says was served
-            request = completions_request(model, prompt, rendered, len(rendered_ids), asked_max, chat.stream,
-                                          served_max)  # fmt: skip
+        # vLLM bounds the completion by the bound sent and the room this prompt leaves (``CompletionBound.served``)
+        served_max = bound.served(len(prompt)) if bound is not None else None
+        request = reused_ids_request(body, prompt) if served_max is None or served_max > 0 else None
         note = (f"served tokens-in: {len(earlier)} ids of an earlier call (re-tokenized from id {split.diverge}) + "
                 f"{len(rendered_ids) - split.end} rendered")  # fmt: skip
         if named is not None and found[0] == list(memoryview(named).cast("i")):
             note += f", the call {continues} named by its response or item ids"
         decision = Decision("retokenized", note=note, original_path=path, original_body=b"", timings_ms=timings)
         if request is None:
-            decision.note = "tokens-in: a sampling parameter this path does not carry; served normally"
+            decision.note = "tokens-in: the prompt ids leave no room for a completion; served normally"
             return decision, None
         if self.mode == "observe":
             decision.note = "tokens-in (observe): re-tokenized history; served normally"
@@ -599,7 +346,7 @@ class Continuations:
     async def prepare(self, flow: "http.HTTPFlow", call: Call, episode_sequences: list[tuple[str, bytes]]) -> None:
         """The addon's hook (``request``, after the wire API prepared the request and its completion bound was
         set): examine the call; serve it tokens-in when it applies. Fail-open."""
-        if self.mode == "off" or call.added is None or not episode_sequences or call.api not in APIS:
+        if self.mode == "off" or call.added is None or not episode_sequences or strategy(call.api) is None:
             return
         try:
             body = json.loads(flow.request.content or b"")
@@ -617,17 +364,9 @@ class Continuations:
         content = codec.dumps(request)  # before anything changes: the call goes whole, tokens-in or not
         decision.original_body = flow.request.content or b""
         decision.inner_added = call.added
-        if call.api == "responses":
-            call.added = ReusedIds(inner=call.added, prompt_ids=request["kv_transfer_params"][REUSED_IDS],
-                                   decision=decision)  # fmt: skip
-            flow.request.content = content
-            return
-        call.added = Additions(
-            inner=call.added, stream=bool(request.get("stream")),
-            tools=bool(body.get("tools")) and body.get("tool_choice") in (None, "auto"),
-            prompt_ids=request["prompt"], note=decision.note or "",
-        )  # fmt: skip
-        flow.request.path, flow.request.content = COMPLETIONS_PATH, content
+        call.added = ReusedIds(inner=call.added, prompt_ids=request["kv_transfer_params"][REUSED_IDS],
+                               decision=decision)  # fmt: skip
+        flow.request.content = content
 
     async def fall_back(self, relay: Relaying, flow: "http.HTTPFlow", call: Call) -> bool:
         """The tokens-in answer is an error it could have caused (``caused_by_tokens_in``): ask the normal path

@@ -244,7 +244,7 @@ class Router:
             return
         try:
             body = codec.loads(flow.request.content or b"")
-            served_api = apis.api_for("POST", flow.request.path)  # chat for Messages, completions for tokens-in
+            served_api = apis.api_for("POST", flow.request.path)  # chat for Messages
             if not isinstance(body, dict) or served_api is None or not apis.spec(served_api).max_token_fields:
                 return
             bound = apis.bound_completion(served_api, body, self.max_completion_tokens, replica.context)

@@ -46,35 +46,6 @@ def test_no_split_when_the_ids_extend_or_nothing_follows():
     assert continuation.retokenized_split([1, 10, EOT], [1, 12, 13], EOT) is None  # no end of turn at all
 
 
-def test_hermes_parsing_is_vllms():
-    content, calls = continuation.hermes_tool_calls('Sure.\n<tool_call>\n{"name": "read", "arguments": {"p": "é"}}')
-    assert content == "Sure.\n" and calls is not None
-    assert [c["function"] for c in calls] == [{"name": "read", "arguments": '{"p": "é"}'}]
-    assert continuation.hermes_tool_calls("<tool_call>{not json</tool_call>") == (
-        "<tool_call>{not json</tool_call>",
-        None,
-    )
-    assert continuation.hermes_tool_calls("plain") == ("plain", None)
-
-
-def test_completions_request_carries_the_rendered_sampling_or_declines():
-    rendered = {"sampling_params": {"temperature": 0.7, "max_tokens": 100, "skip_special_tokens": False,
-                                    "output_kind": 1, "logprobs": 0, "bad_words": []}}  # fmt: skip
-    body = continuation.completions_request("m", [1] * 12, rendered, 10, asked_max=False, stream=True)
-    assert body is not None
-    assert body["max_tokens"] == 98 and body["temperature"] == 0.7 and body["skip_special_tokens"] is False
-    assert body["prompt"] == [1] * 12 and body["stream"] and body["return_token_ids"]
-    structured = {"sampling_params": {**rendered["sampling_params"], "structured_outputs": {"json": {}}}}
-    assert continuation.completions_request("m", [1], structured, 1, asked_max=True, stream=False) is None
-
-
-def test_completions_request_takes_the_calls_bound_for_its_own_prompt():
-    rendered = {"sampling_params": {"max_tokens": 92}}  # vLLM's: the room the re-tokenized prompt (8 ids) left
-    body = continuation.completions_request("m", [1] * 7, rendered, 8, asked_max=True, stream=False, max_tokens=93)
-    assert body is not None and body["max_tokens"] == 93
-    assert continuation.completions_request("m", [1] * 7, rendered, 8, True, False, max_tokens=0) is None
-
-
 class _CannedServer(continuation.Continuations):
     """vLLM's render and detokenize, canned: a context of 100 ids; the earlier answer's id 10 re-renders as 12 13."""
 
@@ -94,8 +65,10 @@ class _CannedServer(continuation.Continuations):
 @pytest.mark.parametrize("asked", [None, 128_000, 50])
 def test_a_tokens_in_call_is_bounded_as_its_record_says(asked):
     """The completion bound (apis.bound_completion) is set before continuation renders the call; vLLM renders
-    max_tokens for the re-tokenized prompt, whose length differs from the tokens-in prompt's. The /v1/completions
-    request is bounded by the call's bound for the prompt it is sent (what ``max_tokens_served`` records)."""
+    max_tokens for the re-tokenized prompt, whose length differs from the tokens-in prompt's. The tokens-in request
+    is the call as prepared (the bound sent) with the ids given, and vLLM bounds the completion by the bound sent and
+    the room the ids leave (``get_max_tokens``; checked against the real server in test_tokens_in_parity.py): the
+    call's bound for the prompt it is sent (what ``max_tokens_served`` records)."""
     earlier = [1, 5, 6, 10, EOT]
     rendered = [1, 5, 6, 12, 13, EOT, 198, 7]  # 8 ids; the tokens-in prompt is 7
     body: dict = {
@@ -115,8 +88,24 @@ def test_a_tokens_in_call_is_bounded_as_its_record_says(asked):
     assert found is not None
     decision, request = found
     assert decision.state == "tokens_in" and request is not None
-    assert request["prompt"] == [1, 5, 6, 10, EOT, 198, 7]
-    assert request["max_tokens"] == bound.served(len(request["prompt"])) == min(asked or 100, 100 - 7)
+    prompt = request["kv_transfer_params"][continuation.REUSED_IDS]
+    assert prompt == [1, 5, 6, 10, EOT, 198, 7]
+    assert request.get("max_tokens") == bound.sent == (min(asked, 100) if asked else None)
+    assert {k: v for k, v in request.items() if k != "kv_transfer_params"} == body  # the call as prepared
+    assert bound.served(len(prompt)) == min(asked or 100, 100 - 7)
+
+
+def test_a_tokens_in_prompt_with_no_room_left_is_served_normally():
+    """Ids that leave no room in the context for a completion: the normal path answers (vLLM's own error)."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"},
+                                       {"role": "user", "content": "z"}]}  # fmt: skip
+    bound = bound_completion("chat", body, cap=None, context=7)
+    added = openai.prepare_request("chat", body)
+    packed = array("i", [1, 5, 6, 10, EOT]).tobytes()
+    server = _CannedServer([1, 5, 6, 12, 13, EOT, 198, 7])
+    found = asyncio.run(server.examine("chat", [("c0", packed)], body, added, "/v1/chat/completions", bound))
+    assert found is not None and found[1] is None and found[0].state == "retokenized"
+    assert "no room" in (found[0].note or "")
 
 
 def test_a_call_with_no_answer_in_its_history_asks_the_server_nothing():
@@ -137,8 +126,8 @@ def test_tokens_in_additions_are_the_wire_apis_own():
     """A call served tokens-in keeps the harness's format: a failed stream ends in its API's error event."""
     body = {"model": "m", "max_tokens": 8, "stream": True, "messages": [{"role": "user", "content": "x"}]}
     inner = messages.prepare_request("messages", body)
-    served: Served = continuation.Additions(inner, True, False, [1, 2], "")
-    assert served.api == "messages" and served.upstream_path == continuation.COMPLETIONS_PATH
+    served: Served = continuation.ReusedIds(inner, [1, 2], continuation.Decision("tokens_in"))
+    assert served.api == "messages" and served.upstream_path == messages.CHAT_PATH and served.stream
     assert served.error_event("broken") == inner.error_event("broken")
     assert b"event: error" in served.error_event("broken")
 
@@ -162,25 +151,24 @@ def _sse_events(text: str) -> list[bytes]:
 def _serve(vllm, module, added, body: dict, tokens_in: bool) -> tuple[list[int], object]:
     """Serve a prepared request by the normal path or tokens-in (from vLLM's own rendering of it): the completion
     ids and what the harness gets (a whole answer, or the list of its stream's event payloads)."""
+    path, payload = "/v1/chat/completions", body
     if tokens_in:
         rendered = vllm.post("/v1/chat/completions/render", json={**body, "stream": False, "stream_options": None})
-        rendered = rendered.json()
-        request = continuation.completions_request(body["model"], rendered["token_ids"], rendered,
-                                                   len(rendered["token_ids"]), True, added_stream(added))  # fmt: skip
-        assert request is not None
-        chat = added.chat if module is messages else added
-        added = continuation.Additions(added, chat.stream, True, rendered["token_ids"], "")
-        path, payload = "/v1/completions", request
-    else:
-        path, payload = ("/v1/chat/completions", body)
+        ids = rendered.json()["token_ids"]
+        decision = continuation.Decision("tokens_in")
+        added = continuation.ReusedIds(added, ids, decision)
+        payload = continuation.reused_ids_request(body, ids)
     answer = vllm.post(path, json=payload)
     assert answer.status_code == 200, answer.text
     if not added_stream(added):
         sampled, out = added.finish(answer.json())
-        return sampled.completion_ids, out
-    state = added.stream_state()
-    events = [e for raw in _sse_events(answer.text) for e in state.feed_event(raw)]
-    return state.sampled.completion_ids, [e.decode() for e in events]
+    else:
+        state = added.stream_state()
+        out = [e.decode() for raw in _sse_events(answer.text) for e in state.feed_event(raw)]
+        sampled = state.sampled
+    if tokens_in:  # vLLM took the ids given (ReusedIds compares the answer's prompt ids with them)
+        assert sampled.prompt_ids == ids and decision.state == "tokens_in"
+    return sampled.completion_ids, out
 
 
 def added_stream(added) -> bool:
