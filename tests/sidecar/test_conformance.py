@@ -251,6 +251,17 @@ def test_the_policy_servers_own_fields_pass_only_empty():
         sdk_schemas.check(sdk_schemas.WHOLE["chat"], leaked)
 
 
+def test_a_stream_event_is_checked_against_the_member_its_type_names():
+    """The event unions are discriminated by ``type``: a wrong field is named on that event's own type."""
+    with pytest.raises(sdk_schemas.NotConformant, match=r"\$\.index: no such field in RawMessageStopEvent"):
+        sdk_schemas.check(sdk_schemas.EVENT["messages"], '{"type": "message_stop", "index": 0}')
+    wrong_delta = r"(?s)not a ResponseTextDeltaEvent: .*\ndelta\n  Input should be a valid string"
+    with pytest.raises(sdk_schemas.NotConformant, match=wrong_delta):
+        sdk_schemas.check(sdk_schemas.EVENT["responses"], '{"type": "response.output_text.delta", "delta": 1}')
+    with pytest.raises(sdk_schemas.NotConformant, match="none of the stream's event types"):
+        sdk_schemas.check(sdk_schemas.EVENT["responses"], '{"type": "response.finished"}')
+
+
 @pytest.mark.parametrize("arguments", ['"Paris"', "[1, 2]", "3", "null", "not json"])
 def test_a_tool_call_whose_arguments_are_no_object_is_still_a_tool_use_block(arguments):
     """Anthropic's ``tool_use.input`` is an object; a policy can write any JSON (or none) as a tool call's

@@ -15,6 +15,8 @@ id that ended the answer) and ``name`` on ``response.function_call_arguments.don
 that event, not yet in openai-python's type).
 """
 
+import json
+import typing
 from typing import Any
 
 import pydantic
@@ -60,7 +62,12 @@ class NotConformant(AssertionError):
 
 def check(kind: Any, raw: str | bytes, where: str = "$") -> Any:
     """Validate one JSON document against an SDK type (``WHOLE[api]`` or ``EVENT[api]``), strictly; the parsed
-    value. Raises ``NotConformant`` naming every problem."""
+    value. Raises ``NotConformant`` naming every problem. A stream event is checked against the member of the
+    union its ``type`` names (the SDKs' discriminator), so a wrong field is named, not 200 union members'."""
+    member = member_for(kind, raw)
+    if member is None:
+        raise NotConformant(f"{where}: its type is none of the stream's event types\n{_short(raw)}")
+    kind = member
     try:
         value = pydantic.TypeAdapter(kind).validate_json(raw, strict=True)
     except pydantic.ValidationError as error:
@@ -69,6 +76,29 @@ def check(kind: Any, raw: str | bytes, where: str = "$") -> Any:
     if problems:
         raise NotConformant(f"{where}: not a {_name(kind)}: " + "; ".join(problems) + f"\n{_short(raw)}")
     return value
+
+
+def member_for(kind: Any, raw: str | bytes) -> Any | None:
+    """The union member whose ``type`` literal is the document's ``type`` (None: no member has it); ``kind`` itself
+    when it is no union of models."""
+    members = [
+        m for m in typing.get_args(_unannotated(kind)) if isinstance(m, type) and issubclass(m, pydantic.BaseModel)
+    ]
+    if not members:
+        return kind
+    try:
+        name = json.loads(raw).get("type")
+    except (ValueError, AttributeError):
+        return None
+    for member in members:
+        field = member.model_fields.get("type")
+        if field is not None and name in typing.get_args(field.annotation):
+            return member
+    return None
+
+
+def _unannotated(kind: Any) -> Any:
+    return typing.get_args(kind)[0] if typing.get_origin(kind) is typing.Annotated else kind
 
 
 def extra_fields(value: Any, where: str = "$") -> list[str]:
