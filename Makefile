@@ -27,6 +27,8 @@ harnesses:
 	@scripts/harness.sh mini-swe-agent >/dev/null
 	@scripts/harness.sh qwen-code >/dev/null
 	@scripts/harness.sh pi >/dev/null
+	@scripts/harness.sh ai-sdk >/dev/null
+	@scripts/harness.sh openai-agents >/dev/null
 
 lint: env
 	.venv/bin/ruff check .

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Install a real harness from its registry once, pinned, into $FORGE_CACHE/harnesses/<name>-<version>.
-# Usage: scripts/harness.sh codex|claude-code|mini-swe-agent|qwen-code|pi   (prints the path of its executable)
+# Usage: scripts/harness.sh codex|claude-code|mini-swe-agent|qwen-code|pi|ai-sdk|openai-agents
+# (prints the path of its executable; for a JS library, ai-sdk or openai-agents, its node_modules folder, which a
+# script beside a link to it imports from)
 set -euo pipefail
 cache="${FORGE_CACHE:-/var/cache/openforge}/harnesses"
 case "${1:-}" in
@@ -9,11 +11,16 @@ case "${1:-}" in
     bin="node_modules/@anthropic-ai/claude-code/bin/claude.exe" ;;
   qwen-code) package="@qwen-code/qwen-code"; version="0.24.4"; bin="node_modules/.bin/qwen" ;;
   pi) package="@mariozechner/pi-coding-agent"; version="0.73.1"; bin="node_modules/.bin/pi" ;;
+  # Libraries a harness is built on, several packages pinned together (zod: their peer dependency).
+  ai-sdk) package="ai"; version="7.0.185"; bin="node_modules"
+    also="@ai-sdk/openai@4.0.126 @ai-sdk/anthropic@4.0.112 zod@4.6.7" ;;
+  openai-agents) package="@openai/agents"; version="0.20.0"; bin="node_modules"; also="zod@4.6.7" ;;
   mini-swe-agent) package="mini-swe-agent"; req="$(cd "$(dirname "$0")/.." && pwd)/requirements/harness-mini-swe-agent.txt"
     version="$(grep '^mini-swe-agent==' "$req" | cut -d= -f3)-$(sha256sum "$req" | cut -c1-8)"; bin="bin/mini" ;;
-  *) echo "harness.sh: unknown harness '${1:-}' (known: codex, claude-code, mini-swe-agent, qwen-code, pi)" >&2; exit 2 ;;
+  *) echo "harness.sh: unknown harness '${1:-}' (known: codex, claude-code, mini-swe-agent, qwen-code, pi, ai-sdk, openai-agents)" >&2; exit 2 ;;
 esac
-dir="$cache/$1-$version"
+also="${also:-}"
+dir="$cache/$1-$version${also:+-$(echo "$also" | sha256sum | cut -c1-8)}"  # the pins together name the folder
 if [ "$1" = mini-swe-agent ]; then
   # A Python harness: its own venv, built in place (venvs do not move), the pinned closure, nothing resolved;
   # .complete marks a finished build.
@@ -33,12 +40,12 @@ if [ ! -x "$dir/$bin" ]; then
   stage=$(mktemp -d "$cache/.$1-XXXXXX")
   trap 'rm -rf "$stage"' EXIT
   command -v npm >/dev/null || { echo "harness.sh: npm is needed to install $package" >&2; exit 2; }
-  npm install --no-audit --no-fund --loglevel=error --prefix "$stage" "$package@$version" >&2
+  npm install --no-audit --no-fund --loglevel=error --prefix "$stage" "$package@$version" $also >&2
   if [ "$1" = claude-code ]; then  # npm 11 skips its postinstall, which fetches the native binary
     (cd "$stage/node_modules/@anthropic-ai/claude-code" && node install.cjs >&2)
   fi
   rm -rf "$dir" && mv "$stage" "$dir" && chmod -R a+rX "$dir"
   trap - EXIT
-  echo "harness.sh: installed $package@$version in $dir" >&2
+  echo "harness.sh: installed $package@$version $also in $dir" >&2
 fi
 echo "$dir/$bin"

@@ -209,11 +209,14 @@ def message_id(chat_id: str | None) -> str:
     return "msg_" + (chat_id or uuid.uuid4().hex).removeprefix("chatcmpl-")
 
 
-def _tool_input(arguments: str | None) -> Any:
+def _tool_input(arguments: str | None) -> dict[str, Any]:
+    """A ``tool_use`` block's ``input``: always an object (the API's type); arguments that are not a JSON object
+    (any JSON or none: the policy wrote them) are kept as their text under one key."""
     try:
-        return json.loads(arguments or "{}")
+        parsed = json.loads(arguments or "{}")
     except ValueError:
-        return {"_raw_arguments": arguments}
+        parsed = None
+    return parsed if isinstance(parsed, dict) else {"_raw_arguments": arguments}
 
 
 def finish(added: Additions, answer: dict[str, Any]) -> tuple[Sampled, dict[str, Any]]:

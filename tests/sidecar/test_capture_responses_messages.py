@@ -61,7 +61,7 @@ def test_responses_records_the_ids_vllm_sampled(start_sidecar, policy_server, vl
     sdk = openai.OpenAI(base_url=f"{sidecar.url}/v1", api_key="sk-test-not-real", max_retries=0, timeout=120)
     if stream:
         events = list(sdk.responses.create(model="gpt-5-codex", stream=True, **body))  # the SDK parses each event
-        assert [e.type for e in events][-1] == "response.completed"
+        assert [e.type for e in events][-1] in ("response.completed", "response.incomplete")
         for event in events:
             assert event.model_extra is None or not any(event.model_extra.get(k) for k in ADDED_RESPONSE_KEYS)
             if event.type == "response.output_text.delta":

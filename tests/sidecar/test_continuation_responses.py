@@ -206,7 +206,7 @@ def _respond(client: httpx.Client, items: list[dict], **extra) -> str:
     assert "prompt_token_ids" not in answer.text and 'input_messages":[' not in answer.text
     if extra.get("stream"):
         events = [json.loads(line[6:]) for line in answer.text.splitlines() if line.startswith("data: ")]
-        assert events[-1]["type"] == "response.completed", events[-1]
+        assert events[-1]["type"] in ("response.completed", "response.incomplete"), events[-1]
         return "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
     output = answer.json()["output"]
     return "".join(c["text"] for i in output if i["type"] == "message" for c in i["content"])
