@@ -3,12 +3,14 @@ ways, and the events we emit checked against the official ``anthropic`` SDK's ty
 
 import json
 import math
+from pathlib import Path
 from typing import Any
 
 import pydantic
 import pytest
 from anthropic.types import Message, RawMessageStreamEvent
 
+import sidecar
 from sidecar import apis
 from sidecar.apis import messages, responses
 from sidecar.redact import REDACTED, redacted_text, secrets_in_body, secrets_in_headers
@@ -427,3 +429,33 @@ def test_a_secret_spelled_with_json_escapes_is_scrubbed_too():
     text = '{"content": "a \\u0073k-pl\\/anted-0123 b \\u0053K-pl/anted-0123 c sk-pl/anted-0123 \\u001b"}'
     scrubbed = json.loads(redacted_text(text, [secret]))["content"]
     assert secret not in scrubbed and scrubbed.count(REDACTED) == 2 and "SK-pl/anted-0123" in scrubbed
+
+
+def api_name_branches(source: str) -> list[int]:
+    """Lines comparing an API's name (``api``, ``x.api``) with a string, or with strings in a tuple/list/set."""
+    import ast
+
+    def is_api(node: ast.AST) -> bool:
+        return (isinstance(node, ast.Name) and node.id in ("api", "served_api")) or (
+            isinstance(node, ast.Attribute) and node.attr == "api"
+        )
+
+    def literal(node: ast.AST) -> bool:
+        if isinstance(node, ast.Constant):
+            return isinstance(node.value, str)
+        return isinstance(node, ast.Tuple | ast.List | ast.Set) and any(literal(e) for e in node.elts)
+
+    return [node.lineno for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Compare)
+            and is_api(node.left) and any(literal(c) for c in node.comparators)]  # fmt: skip
+
+
+def test_no_branch_on_an_apis_name_outside_the_apis_package():
+    """Facts about a wire API live in its module (the registry); the rest of the sidecar asks, never names it."""
+    root = Path(sidecar.__file__).resolve().parent
+    found = {
+        str(path.relative_to(root)): lines
+        for path in sorted(root.rglob("*.py"))
+        if "apis" not in path.relative_to(root).parts and (lines := api_name_branches(path.read_text()))
+    }
+    assert found == {}
+    assert api_name_branches('if call.api == "messages":\n    pass\nok = api in ("chat", "x")\n') == [1, 3]
