@@ -6,16 +6,17 @@ and is stopped (its whole process group) at the end of the session.
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
 from forge.errors import ForgeError
+from tests.support.policy_server import VLLM_START_TIMEOUT_S
+from tests.support.sidecar import SidecarFactory
 from trainer.model import PreparedModel, prepare
 from trainer.serve import PolicyServer, default_checkpoint, free_port
-
-VLLM_START_TIMEOUT_S = 300.0
 
 
 @pytest.fixture(scope="session")
@@ -54,6 +55,14 @@ def policy_server(prepared_model: PreparedModel, tmp_path_factory: pytest.TempPa
         pytest.fail(f"the vLLM server did not start: {error}")
     yield server
     server.stop()
+
+
+@pytest.fixture
+def start_sidecar(tmp_path: Path) -> Iterator[SidecarFactory]:
+    """Starts real sidecars (tests/support/sidecar.py) and stops them at the end of the test."""
+    factory = SidecarFactory(tmp_path)
+    yield factory
+    factory.stop_all()
 
 
 @pytest.fixture

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from forge.errors import ForgeError
 from sidecar.replicas import ReplicaSet, UpstreamError, parse_upstreams, rendezvous
-from tests.conftest import VLLM_START_TIMEOUT_S
-from tests.sidecar.conftest import call_table, read_calls, wait_for
+from tests.support.policy_server import VLLM_START_TIMEOUT_S
+from tests.support.sidecar import call_table, read_calls, wait_for
 from trainer.model import PreparedModel
 from trainer.serve import PolicyServer, default_checkpoint, free_port
 

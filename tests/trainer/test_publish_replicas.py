@@ -20,7 +20,7 @@ import pytest
 
 from bench.trainer_publish import nudge
 from sidecar.replicas import rendezvous
-from tests.sidecar.conftest import SidecarFactory, read_calls, wait_for
+from tests.support.sidecar import SidecarFactory, read_calls, wait_for
 from tests.support.sockets import relay
 from tests.trainer.recording import sample
 from trainer import teacher
