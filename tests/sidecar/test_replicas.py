@@ -12,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from forge.errors import ForgeError
+from sidecar.policy import PolicyServerClient
 from sidecar.replicas import ReplicaSet, UpstreamError, parse_upstreams, rendezvous
 from tests.support.policy_server import VLLM_START_TIMEOUT_S
 from tests.support.sidecar import call_table, read_calls, wait_for
@@ -271,11 +272,11 @@ def test_an_episode_sticks_to_one_replica_and_moves_without_losing_a_call_when_i
     policy_server, second_replica, start_sidecar
 ):
     a, b = policy_server.base_url, second_replica.base_url  # b is the one stopped (a may be a shared server)
-    version_a = httpx.get(f"{a}/weight_info", timeout=30).json()["weight_version"]
+    version_a = PolicyServerClient(a, timeout=30).get("/weight_info")["weight_version"]
     # b's own label, so each record shows which replica served it — unless a (a shared server) already serves a
     # published version: a replica serving another than the newest published one is out of step and takes no call
     version_b = version_a if version_a is not None and str(version_a).isdigit() else "b-1"
-    httpx.post(f"{b}/update_weight_version", json={"new_version": version_b}, timeout=30).raise_for_status()
+    PolicyServerClient(b, timeout=30).post("/update_weight_version", {"new_version": version_b})
     upstream = f"{a},{b}"
     # Two sidecars over the same replicas, whose health poll would come too late to notice the stop: one asks each
     # call's version of its replica (the stopped replica is found by that question), the other has a fixed version
