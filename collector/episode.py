@@ -47,15 +47,19 @@ def is_evaluation(run_id: str | None) -> bool:
 
 
 _ids = pa.list_(pa.int32())
+# The columns both tables begin with: a segment repeats its episode's.
+_EPISODE_HEAD = [
+    pa.field("schema_version", pa.int16(), nullable=False),
+    pa.field("episode_id", pa.string(), nullable=False),
+    pa.field("task_id", pa.string()),
+    pa.field("run_id", pa.string()),
+    pa.field("group_id", pa.string(), nullable=False),
+    pa.field("harness", pa.string()),
+]
 
 SEGMENT_SCHEMA = pa.schema(
     [
-        pa.field("schema_version", pa.int16(), nullable=False),
-        pa.field("episode_id", pa.string(), nullable=False),
-        pa.field("task_id", pa.string()),
-        pa.field("run_id", pa.string()),
-        pa.field("group_id", pa.string(), nullable=False),
-        pa.field("harness", pa.string()),
+        *_EPISODE_HEAD,
         pa.field("segment", pa.int32(), nullable=False),  # 0, 1, ... in order of the call that started it
         pa.field("input_ids", _ids, nullable=False),
         pa.field("loss_mask", pa.list_(pa.int8()), nullable=False),
@@ -94,12 +98,7 @@ SEGMENT_SCHEMA = pa.schema(
 
 EPISODE_SCHEMA = pa.schema(
     [
-        pa.field("schema_version", pa.int16(), nullable=False),
-        pa.field("episode_id", pa.string(), nullable=False),
-        pa.field("task_id", pa.string()),
-        pa.field("run_id", pa.string()),
-        pa.field("group_id", pa.string(), nullable=False),
-        pa.field("harness", pa.string()),
+        *_EPISODE_HEAD,
         pa.field("status", pa.string(), nullable=False),
         pa.field("status_detail", pa.string()),
         pa.field("reward", pa.float64()),
