@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from forge.errors import ForgeError
-from tests.support.policy_server import VLLM_START_TIMEOUT_S
+from tests.support.policy_server import started_policy_server
 from tests.support.sidecar import SidecarFactory
 from trainer.model import PreparedModel, prepare
 from trainer.serve import PolicyServer, default_checkpoint, free_port
@@ -45,16 +45,9 @@ def policy_server(prepared_model: PreparedModel, tmp_path_factory: pytest.TempPa
     if port := os.environ.get("FORGE_TEST_POLICY_PORT"):
         yield PolicyServer(model=default_checkpoint(), port=int(port), max_model_len=16384)
         return
-    server = PolicyServer(
-        model=default_checkpoint(), port=free_port(), max_model_len=16384,  # harness prompts run long
-        run_dir=tmp_path_factory.mktemp("vllm"), start_timeout=VLLM_START_TIMEOUT_S,
-    )  # fmt: skip
-    try:
-        server.start()
-    except ForgeError as error:
-        pytest.fail(f"the vLLM server did not start: {error}")
-    yield server
-    server.stop()
+    # harness prompts run long
+    with started_policy_server(tmp_path_factory.mktemp("vllm"), max_model_len=16384) as server:
+        yield server
 
 
 @pytest.fixture

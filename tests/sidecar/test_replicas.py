@@ -11,13 +11,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from forge.errors import ForgeError
 from sidecar.policy import PolicyServerClient
 from sidecar.replicas import ReplicaSet, UpstreamError, parse_upstreams, rendezvous
-from tests.support.policy_server import VLLM_START_TIMEOUT_S
+from tests.support.policy_server import started_policy_server
 from tests.support.sidecar import call_table, read_calls, wait_for
 from trainer.model import PreparedModel
-from trainer.serve import PolicyServer, default_checkpoint, free_port
+from trainer.serve import PolicyServer
 
 REPLICA_URLS = st.lists(
     st.builds("http://10.0.{}.{}:8000".format, st.integers(0, 255), st.integers(1, 254)), min_size=1, max_size=8,
@@ -224,16 +223,8 @@ def test_a_name_that_lists_no_replica_gets_the_harness_a_json_error(start_sideca
 def second_replica(prepared_model: PreparedModel, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PolicyServer]:
     """A second real vLLM (the first is the session's policy server): the one this module stops. A shorter context
     than the first's, as replicas may differ."""
-    server = PolicyServer(
-        model=default_checkpoint(), port=free_port(), max_model_len=4096, run_dir=tmp_path_factory.mktemp("vllm-b"),
-        start_timeout=VLLM_START_TIMEOUT_S,
-    )  # fmt: skip
-    try:
-        server.start()
-    except ForgeError as error:
-        pytest.fail(f"the second vLLM server did not start: {error}")
-    yield server
-    server.stop()
+    with started_policy_server(tmp_path_factory.mktemp("vllm-b"), 4096, "the second vLLM server") as server:
+        yield server
 
 
 class Conversation:
