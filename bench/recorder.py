@@ -77,7 +77,7 @@ def recording(prefix: str, **options: str) -> Iterator[tuple[Forge, Path]]:
                        forge_policy_model="policy", forge_policy_version="1", **options)  # fmt: skip
         addon.running()
         yield addon, work
-        assert addon.writer is not None and addon.writer.close(60)
+        assert addon.relay.writer is not None and addon.relay.writer.close(60)
 
 
 def main() -> None:
@@ -95,7 +95,7 @@ def main() -> None:
         started_wall, started_cpu = time.perf_counter(), time.process_time()
         for flow in flows:
             drive(addon, flow)
-        assert addon.writer is not None and addon.writer.close(60)  # the flush is part of the cost
+        assert addon.relay.writer is not None and addon.relay.writer.close(60)  # the flush is part of the cost
         wall, cpu = time.perf_counter() - started_wall, time.process_time() - started_cpu
     print(f"recorder (--fsync {args.fsync}): {len(flows)} calls with 4,000-token prompts in {wall:.2f} s wall / "
           f"{cpu:.2f} s CPU = {len(flows) / wall:,.0f} calls/s ({len(flows) / cpu:,.0f} per CPU-second)")  # fmt: skip

@@ -6,8 +6,10 @@ import os
 import urllib.error
 import urllib.request
 import uuid
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any, TypeVar
 
 import click
 
@@ -17,9 +19,11 @@ from sidecar import ca, netinit
 from sidecar.admin import TokenFileError, read_token_file
 from sidecar.record import reward_row, to_table
 from sidecar.replicas import UpstreamError, parse_upstreams
+from sidecar.settings import BY_NAME
 from sidecar.store import Store, StoreError, open_store
 
 ADDON = Path(__file__).resolve().parent / "addon.py"
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def sidecar_python_bin() -> Path:
@@ -60,6 +64,20 @@ def mitmdump_command(
     return args
 
 
+def sidecar_option(name: str, **overrides: Any) -> Callable[[F], F]:
+    """`forge sidecar`'s click option for one of the sidecar's options (``sidecar.settings.OPTIONS``: its help, its
+    default, its choices), as the addon declares it to mitmproxy."""
+    option = BY_NAME[name]
+    kwargs: dict[str, Any] = {"help": option.help}
+    if option.kind is bool:
+        kwargs["is_flag"] = True
+    else:
+        kwargs["type"] = click.Choice(option.choices) if option.choices else option.kind
+        if option.default not in ("", None):
+            kwargs |= {"default": option.default, "show_default": True}
+    return click.option("--" + name.replace("_", "-"), **(kwargs | overrides))
+
+
 def upstream_trust(confdir: Path, extra_cas: tuple[Path, ...]) -> dict[str, str]:
     """Extra CAs to verify upstream servers with: the system CAs plus them, in one bundle (verification stays on)."""
     if not extra_cas:
@@ -80,62 +98,30 @@ def upstream_trust(confdir: Path, extra_cas: tuple[Path, ...]) -> dict[str, str]
 @click.option("--mode", default="regular", show_default=True, help="regular | reverse:URL | transparent")
 @click.option("--listen-host", help="[default: 127.0.0.1; transparent: all addresses, so ::1 too]")
 @click.option("--listen-port", type=int, default=15001, show_default=True)
-@click.option("--upstream", multiple=True, default=["http://127.0.0.1:8000"], show_default=True,
-              help="The policy server (vLLM); repeatable or comma-separated for several replicas (an episode "
-                   "sticks to one); dns+http://NAME:PORT: every address NAME resolves to (a headless Service)."
-              )  # fmt: skip
-@click.option("--health-seconds", type=click.FloatRange(min=0.1), default=2.0, show_default=True,
-              help="How often each policy replica is asked whether it is up (a refused connection is noticed "
-                   "at once).")  # fmt: skip
-@click.option("--store", default="./forge-data", show_default=True, help="Folder or s3://bucket/prefix.")
-@click.option("--s3-endpoint", help="S3-compatible endpoint URL (credentials from AWS_* variables).")
-@click.option("--wal-dir", type=click.Path(path_type=Path), help="Write-ahead log folder [default: ./forge-wal].")
-@click.option("--episode-id", help="Episode of every call (else: proxy user name, X-Forge-Episode-Id, env).")
-@click.option("--task-id")
-@click.option("--run-id")
-@click.option("--admin-port", type=int, default=0, help="Loopback port for POST /reward and GET /metrics.")
-@click.option("--reward-token-file", type=click.Path(path_type=Path, dir_okay=False),
-              help="The bearer token POST /reward needs, in a file the harness's uid cannot read "
-                   "[default: a new random one, mode 0600, at WAL_DIR/reward-token].")  # fmt: skip
-@click.option("--reward-socket", type=click.Path(path_type=Path, dir_okay=False),
-              help="Also take POST /reward on this Unix socket (mode 0600), from root or the sidecar's own "
-                   "uid only (a pod's verifier); without --reward-token-file, TCP takes no reward.")  # fmt: skip
-@click.option("--trust-episode-header", is_flag=True,
-              help="In a pod (POD_UID/FORGE_EPISODE_ID set), let X-Forge-Episode-Id/X-Forge-Task-Id or the proxy "
-                   "user name choose a call's episode; by default the pod's identity wins.")  # fmt: skip
-@click.option("--policy-model", help="Served name of the policy under training, as `forge train` prints it "
-              "[default: the one the server announces: its only LoRA adapter, else its base model].")  # fmt: skip
-@click.option("--model-map", default="*", show_default=True,
-              help="PATTERN[=MODEL],...: requested names served by MODEL [default MODEL: the policy].")  # fmt: skip
-@click.option(
-    "--model-hosts",
-    default="api.openai.com,api.anthropic.com",
-    show_default=True,
-    help="Hosts whose model calls are taken (served by the policy).",
-)
-@click.option("--policy-version", help="Fixed policy version (default: the server's /weight_info).")
-@click.option("--flush-seconds", type=float, default=5.0, show_default=True)
-@click.option("--flush-rows", type=int, default=2000, show_default=True)
-@click.option("--max-wal-bytes", type=int, default=4 << 30, show_default=True)
-@click.option("--fsync", type=click.Choice(["always", "interval", "never"]), default="interval", show_default=True,
-              help="When WAL commits reach the disk: every record (survives a machine crash), each second, or never "
-                   "(a process kill loses nothing either way).")  # fmt: skip
-@click.option(
-    "--drain-seconds",
-    type=float,
-    default=20.0,
-    show_default=True,
-    help="On SIGTERM, wait this long for calls in flight (then record them as cut) before flushing.",
-)
-@click.option(
-    "--tokens-in",
-    type=click.Choice(["auto", "observe", "off"]),
-    default="auto",
-    show_default=True,
-    help="A call whose history re-tokenizes differently from the sampled ids: auto serves it tokens-in "
-    "from those ids (the episode does not fork), observe only records it.",
-)
-@click.option("--max-completion-tokens", type=int, default=0, help="Bound every completion (rollout length); 0: off.")
+@sidecar_option("upstream", multiple=True, default=[BY_NAME["upstream"].default])
+@sidecar_option("health_seconds", type=click.FloatRange(min=0.1))
+@sidecar_option("store")
+@sidecar_option("s3_endpoint")
+@sidecar_option("wal_dir", type=click.Path(path_type=Path), default=None,
+                help=BY_NAME["wal_dir"].help + " [default: ./forge-wal]")  # fmt: skip
+@sidecar_option("episode_id")
+@sidecar_option("task_id")
+@sidecar_option("run_id")
+@sidecar_option("admin_port")
+@sidecar_option("reward_token_file", type=click.Path(path_type=Path, dir_okay=False))
+@sidecar_option("reward_socket", type=click.Path(path_type=Path, dir_okay=False))
+@sidecar_option("trust_episode_header")
+@sidecar_option("policy_model")
+@sidecar_option("model_map")
+@sidecar_option("model_hosts")
+@sidecar_option("policy_version")
+@sidecar_option("flush_seconds")
+@sidecar_option("flush_rows")
+@sidecar_option("max_wal_bytes")
+@sidecar_option("fsync")
+@sidecar_option("drain_seconds")
+@sidecar_option("tokens_in")
+@sidecar_option("max_completion_tokens")
 @click.option("--ca-dir", type=click.Path(path_type=Path, file_okay=False),
               help="The CA to sign model hosts with (`forge ca init --dir`) [default: WAL_DIR/mitmproxy].")  # fmt: skip
 @click.option("--upstream-ca", type=click.Path(path_type=Path, dir_okay=False), multiple=True,

@@ -44,20 +44,28 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 from sidecar import codec
 from sidecar.apis import CompletionBound, responses
 from sidecar.apis.base import Sampled, Served, compact
 from sidecar.apis.base import StreamState as BaseStreamState
 from sidecar.apis.errors import error_body, error_headers
+from sidecar.call import Call, Decision
 from sidecar.sse import DONE, parse_event
 
-if TYPE_CHECKING:  # the addon imports this module; these are only its types
+if TYPE_CHECKING:
     from mitmproxy import http
 
-    from sidecar.addon import Call, Forge
+
+class Relaying(Protocol):
+    """What ``fall_back`` needs of the sidecar: record a call, and relay a stream's pieces (``sidecar/relay.py``)."""
+
+    def record(self, flow: "http.HTTPFlow", call: Call, status: str) -> None: ...
+
+    def on_stream_data(self, flow: "http.HTTPFlow", call: Call, data: bytes) -> list[bytes]: ...
+
 
 log = logging.getLogger("openforge.sidecar")
 MODES = ("auto", "observe", "off")
@@ -439,18 +447,6 @@ class StreamState:
 
 
 # -- the work around a call --------------------------------------------------------------------------------------
-@dataclass
-class Decision:
-    """What the examination of one call found (kept on the call; the record's ``continuation`` and ``note``)."""
-
-    state: str  # tokens_in | retokenized | rewrite
-    note: str | None = None
-    original_path: str = ""
-    original_body: bytes = b""
-    inner_added: Served | None = None  # the wire API's own additions, for the normal path should tokens-in fail
-    timings_ms: dict[str, float] = field(default_factory=dict)
-
-
 def _post(url: str, payload: dict[str, Any], timeout: float = HTTP_TIMEOUT_S) -> Any:
     headers = {"content-type": "application/json"}
     if key := os.environ.get("FORGE_UPSTREAM_API_KEY"):  # the policy server's key, as the addon sends it
@@ -600,7 +596,7 @@ class Continuations:
         decision.state = "tokens_in"
         return decision, request
 
-    async def prepare(self, flow: "http.HTTPFlow", call: "Call", episode_sequences: list[tuple[str, bytes]]) -> None:
+    async def prepare(self, flow: "http.HTTPFlow", call: Call, episode_sequences: list[tuple[str, bytes]]) -> None:
         """The addon's hook (``request``, after the wire API prepared the request and its completion bound was
         set): examine the call; serve it tokens-in when it applies. Fail-open."""
         if self.mode == "off" or call.added is None or not episode_sequences or call.api not in APIS:
@@ -633,7 +629,7 @@ class Continuations:
         )  # fmt: skip
         flow.request.path, flow.request.content = COMPLETIONS_PATH, content
 
-    async def fall_back(self, forge: "Forge", flow: "http.HTTPFlow", call: "Call") -> bool:
+    async def fall_back(self, relay: Relaying, flow: "http.HTTPFlow", call: Call) -> bool:
         """The tokens-in answer is an error it could have caused (``caused_by_tokens_in``): ask the normal path
         instead and give the harness that answer. True when the call was recorded here (a stream, passed through
         the inner module's stream state, or a normal path that could not be reached: the API's 502)."""
@@ -671,13 +667,13 @@ class Continuations:
             flow.response = http.Response.make(
                 502, error_body(call.api, 502, message, "policy_unavailable"), error_headers(call.api)
             )
-            forge._record(flow, call, status="upstream_error")
+            relay.record(flow, call, status="upstream_error")
             return True
         flow.response = http.Response.make(status, content, {"content-type": kind or "application/json"})
         if status < 400 and call.added.stream and "text/event-stream" in kind:
             call.stream = call.added.stream_state()
             call.framer = EventFramer()
-            out = forge._on_stream_data(flow, call, content) + forge._on_stream_data(flow, call, b"")
+            out = relay.on_stream_data(flow, call, content) + relay.on_stream_data(flow, call, b"")
             flow.response.content = b"".join(out)
             return True
         return False
@@ -687,10 +683,3 @@ def caused_by_tokens_in(status: int) -> bool:
     """An error answer the tokens-in request itself may have caused (its token-id prompt, its parameters); a server
     that is down, overloaded or refuses the key answers the normal path the same way: not asked again."""
     return status in TOKENS_IN_FAULTS
-
-
-def note_of(decision: Decision | None, note: str | None) -> str | None:
-    """The record's note with the continuation's added."""
-    if decision is None or not decision.note or (note and decision.note in note):
-        return note
-    return "; ".join(filter(None, [note, decision.note]))

@@ -11,7 +11,7 @@ from sidecar.apis.errors import error_body, error_headers
 from sidecar.metrics import Metrics
 
 if TYPE_CHECKING:
-    from sidecar.addon import Call
+    from sidecar.call import Call
 
 
 class PolicyGuard:

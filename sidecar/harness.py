@@ -38,6 +38,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from sidecar import apis
+
 ENV = "FORGE_HARNESS"
 SYSTEM_WINDOW = 400  # a signature is looked for in this many leading characters of the system prompt
 
@@ -78,34 +80,10 @@ SDKS = (  # (user-agent fragment, client): a client known only by its SDK
 _SIGNED_HEADERS = {"originator": ("codex_exec", "codex_cli_rs", "codex_vscode")}  # header: values that sign it
 
 
-def _text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(text for part in content if isinstance(part, dict) and isinstance(text := part.get("text"), str))
-    return ""
-
-
 def system_prompt(api: str, body: Mapping[str, Any]) -> str:
-    """The leading characters of a request's system prompt, whatever the wire API."""
-    texts: list[str] = []
-    if api == "messages":
-        system = body.get("system")
-        blocks = system if isinstance(system, list) else [{"text": system}] if isinstance(system, str) else []
-        texts = [t for b in blocks if isinstance(b, dict) and isinstance(t := b.get("text"), str)]
-        texts = [t for t in texts if not t.startswith("x-anthropic-billing-header")]
-    elif api == "responses":
-        texts = [body["instructions"]] if isinstance(body.get("instructions"), str) else []
-        items = body.get("input")
-        for item in items if isinstance(items, list) else []:
-            if isinstance(item, dict) and item.get("role") in ("system", "developer"):
-                texts.append(_text(item.get("content")))
-                break
-    else:
-        messages = body.get("messages")
-        first = messages[0] if isinstance(messages, list) and messages else None
-        if isinstance(first, dict) and first.get("role") in ("system", "developer"):
-            texts = [_text(first.get("content"))]
+    """The leading characters of a request's system prompt, whatever the wire API (its module says where it is)."""
+    known = apis.REGISTRY.get(api)
+    texts = known.system_prompt(body) if known and known.system_prompt else apis.openai.system_prompt(body)
     return "\n".join(texts)[:SYSTEM_WINDOW]
 
 

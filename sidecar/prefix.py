@@ -7,6 +7,10 @@ the square of its turns. Sequences are packed int32 bytes: comparing them is a m
 """
 
 from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from typing import Generic, TypeVar
+
+T = TypeVar("T", bytes, str)
 
 
 def common_prefix_len(a: bytes | memoryview, b: bytes | memoryview) -> int:
@@ -25,23 +29,49 @@ def common_prefix_len(a: bytes | memoryview, b: bytes | memoryview) -> int:
     return lo
 
 
+class RecentCalls(Generic[T]):
+    """Per episode, (call id, item) of its last few calls; bounded in episodes and in total size (the least recently
+    used episodes go first)."""
+
+    def __init__(self, max_episodes: int, calls_per_episode: int, max_size: int, size: Callable[[T], int]) -> None:
+        self.episodes: OrderedDict[str, deque[tuple[str, T]]] = OrderedDict()
+        self.max_episodes = max_episodes
+        self.calls_per_episode = calls_per_episode
+        self.max_size = max_size
+        self.size: Callable[[T], int] = size
+        self.total = 0
+
+    def of(self, episode_id: str) -> Sequence[tuple[str, T]]:
+        return self.episodes.get(episode_id, ())
+
+    def remember(self, episode_id: str, call_id: str, item: T) -> None:
+        calls = self.episodes.get(episode_id)
+        if calls is None:
+            calls = self.episodes[episode_id] = deque()
+        else:
+            self.episodes.move_to_end(episode_id)
+        calls.append((call_id, item))
+        self.total += self.size(item)
+        if len(calls) > self.calls_per_episode:
+            self.total -= self.size(calls.popleft()[1])
+        while self.episodes and (len(self.episodes) > self.max_episodes or self.total > self.max_size):
+            _, evicted = self.episodes.popitem(last=False)
+            self.total -= sum(self.size(item) for _, item in evicted)
+
+
 class PrefixIndex:
     """Per episode, the sequences of its last few calls; bounded in episodes and in bytes (least recent go)."""
 
     def __init__(
         self, max_episodes: int = 4096, calls_per_episode: int = 4, min_prefix: int = 16, max_bytes: int = 256 << 20
     ) -> None:
-        self.episodes: OrderedDict[str, deque[tuple[str, bytes]]] = OrderedDict()
-        self.max_episodes = max_episodes
-        self.max_bytes = max_bytes
-        self.bytes = 0
-        self.calls_per_episode = calls_per_episode
+        self.recent: RecentCalls[bytes] = RecentCalls(max_episodes, calls_per_episode, max_bytes, len)
         self.min_prefix = min_prefix  # shorter shared prefixes (a bare system prompt) are not worth a reference
 
     def split(self, episode_id: str, prompt: bytes) -> tuple[str | None, int]:
         """(parent call id, prefix length in tokens) for the best earlier call, or (None, 0)."""
         best: tuple[str | None, int] = (None, 0)
-        for call_id, sequence in reversed(self.episodes.get(episode_id, ())):
+        for call_id, sequence in reversed(self.recent.of(episode_id)):
             shared = common_prefix_len(prompt, sequence)
             if shared > best[1]:
                 best = (call_id, shared)
@@ -49,18 +79,7 @@ class PrefixIndex:
 
     def sequences(self, episode_id: str) -> list[tuple[str, bytes]]:
         """The (call id, prompt + completion) of the episode's last few calls, oldest first."""
-        return list(self.episodes.get(episode_id, ()))
+        return list(self.recent.of(episode_id))
 
     def remember(self, episode_id: str, call_id: str, sequence: bytes) -> None:
-        calls = self.episodes.get(episode_id)
-        if calls is None:
-            calls = self.episodes[episode_id] = deque()
-        else:
-            self.episodes.move_to_end(episode_id)
-        calls.append((call_id, sequence))
-        self.bytes += len(sequence)
-        if len(calls) > self.calls_per_episode:
-            self.bytes -= len(calls.popleft()[1])
-        while self.episodes and (len(self.episodes) > self.max_episodes or self.bytes > self.max_bytes):
-            _, evicted = self.episodes.popitem(last=False)
-            self.bytes -= sum(len(sequence) for _, sequence in evicted)
+        self.recent.remember(episode_id, call_id, sequence)

@@ -11,11 +11,20 @@ Everything here is stdlib + pyarrow: it runs inside the sidecar environment and 
 
 import json
 import math
+import sys
 import time
+from array import array
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import pyarrow as pa
+
+from sidecar.redact import scrub_text
+
+if TYPE_CHECKING:  # the builder's inputs, read only (this module stays importable without them: the collector)
+    from sidecar.apis.base import Sampled
+    from sidecar.call import Call
+    from sidecar.request_delta import RequestDelta
 
 SCHEMA_VERSION = 1
 
@@ -296,3 +305,62 @@ def checked_row(table: str, row: Mapping[str, Any]) -> dict[str, Any]:
     integer, a non-finite reward); unknown keys are dropped.
     """
     return _CHECKS[table](row)
+
+
+def pack_ids(values: list[int]) -> bytes:
+    packed = array("i", values)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def pack_floats(values: list[float]) -> bytes:
+    packed = array("f", values)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def call_row(
+    call: "Call", status: str, sampled: "Sampled | None", *, prompt: bytes | None, completion: bytes | None,
+    parent: str | None,
+    prefix_len: int, request: "RequestDelta", response_json: str | None, version: str | None,
+    version_end: str | None, note: str | None, http_status: int | None, finished_at: int, sidecar_id: str,
+    sidecar_version: str,
+) -> CallRecord:  # fmt: skip
+    """A call's record, from the call, what was sampled and where its prompt and request sit in the episode (the
+    prompt's shared prefix, ``parent``/``prefix_len``; the request's, ``request``). Pure: the caller decided the
+    status, the version and the note."""
+    return {
+        "call_id": call.call_id, "episode_id": call.episode_id, "task_id": call.task_id, "run_id": call.run_id,
+        "seq": call.seq, "api": call.api, "stream": bool(call.added and call.added.stream),
+        "host": call.host, "path": call.path,  # as the harness called them, before routing
+        "model_requested": call.model_requested, "model_served": sampled.model if sampled else None,
+        "response_id": sampled.response_id if sampled else None,
+        "policy_version": version, "policy_version_end": version_end,
+        "started_at": call.started_at,
+        "first_token_at": call.first_token_at, "finished_at": finished_at, "status": status,
+        "http_status": http_status,
+        "finish_reason": sampled.finish_reason if sampled else None, "error": call.error,
+        "max_tokens_requested": call.bound.requested if call.bound else None,
+        "sampling": call.sampling,
+        "max_tokens_served": call.bound.served(len(prompt) // 4 if prompt is not None else None)
+        if call.bound
+        else None,
+        "note": note,
+        "continuation": call.continuation.state if call.continuation else None,
+        "parent_call_id": parent, "prefix_len": prefix_len,
+        "prompt_suffix_ids": prompt[prefix_len * 4 :] if prompt is not None else None,
+        "prompt_len": len(prompt) // 4 if prompt is not None else None,
+        "completion_token_ids": completion,
+        "completion_logprobs": pack_floats(sampled.logprobs) if sampled else None,
+        "n_unknown_logprobs": sum(1 for v in sampled.logprobs if v != v) if sampled else None,  # NaN != NaN
+        "request_json": request.middle if call.request_json is not None else None,
+        "request_parent_call_id": request.parent_call_id, "request_prefix_chars": request.prefix_chars,
+        "request_suffix_chars": request.suffix_chars, "response_json": response_json,
+        "usage": json.dumps(sampled.usage) if sampled and sampled.usage else None,
+        "harness": call.harness,
+        "replica": call.replica.url if call.replica else None, "replica_moved_from": call.moved_from,
+        "user_agent": scrub_text(call.user_agent, call.secrets) if call.user_agent else None,
+        "sidecar_id": sidecar_id, "sidecar_version": sidecar_version,
+    }  # fmt: skip

@@ -11,8 +11,9 @@ characters it shares with the parent's text at the start, how many at the end, t
 The texts compared are the redacted ones the record keeps, so redaction is exactly what it was.
 """
 
-from collections import OrderedDict, deque
 from dataclasses import dataclass
+
+from sidecar.prefix import RecentCalls
 
 
 @dataclass(frozen=True)
@@ -71,17 +72,13 @@ class RequestIndex:
     def __init__(
         self, max_episodes: int = 4096, calls_per_episode: int = 2, min_shared: int = 1024, max_chars: int = 256 << 20
     ) -> None:
-        self.episodes: OrderedDict[str, deque[tuple[str, str]]] = OrderedDict()
-        self.max_episodes = max_episodes
-        self.calls_per_episode = calls_per_episode
+        self.recent: RecentCalls[str] = RecentCalls(max_episodes, calls_per_episode, max_chars, len)
         self.min_shared = min_shared  # a shorter shared part is not worth a reference: stored whole
-        self.max_chars = max_chars
-        self.chars = 0
 
     def split(self, episode_id: str, text: str) -> RequestDelta:
         """The smallest difference from a remembered request of the episode, or the whole text."""
         best = RequestDelta(None, 0, 0, text)
-        for call_id, parent in reversed(self.episodes.get(episode_id, ())):
+        for call_id, parent in reversed(self.recent.of(episode_id)):
             candidate = delta(call_id, parent, text)
             if len(candidate.middle) < len(best.middle):
                 best = candidate
@@ -90,15 +87,4 @@ class RequestIndex:
 
     def remember(self, episode_id: str, call_id: str, text: str) -> None:
         """A request whose record was logged (only those can be parents: the collector must find them)."""
-        calls = self.episodes.get(episode_id)
-        if calls is None:
-            calls = self.episodes[episode_id] = deque()
-        else:
-            self.episodes.move_to_end(episode_id)
-        calls.append((call_id, text))
-        self.chars += len(text)
-        if len(calls) > self.calls_per_episode:
-            self.chars -= len(calls.popleft()[1])
-        while self.episodes and (len(self.episodes) > self.max_episodes or self.chars > self.max_chars):
-            _, evicted = self.episodes.popitem(last=False)
-            self.chars -= sum(len(text) for _, text in evicted)
+        self.recent.remember(episode_id, call_id, text)

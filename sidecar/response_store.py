@@ -16,19 +16,36 @@ to are the ones it got: vLLM's response and item ids, relayed unchanged (the sid
   answered exactly as an unknown one (404, the API's own error), so an agent can neither read nor splice another
   episode's records, nor learn that an id exists.
 - Bounded: at most ``max_responses`` answers are kept (the oldest go first); a dropped one is "not found", as an
-  expired one is at OpenAI. They live in memory: after a restart they are gone (a reference is then 404).
+  expired one is at OpenAI.
+- A restart keeps them: the sidecar writes each kept answer (and each drop) through to ``responses.sqlite`` in its
+  WAL folder (the sidecar's uid only, mode 0600: the harness's own conversation, unredacted, as vLLM must be sent
+  it; never a record), on a thread of its own so no call waits for the disk, and reads them back at start. A
+  graceful stop writes everything first; a killed sidecar loses at most the answers of its last moments (their
+  references are then 404, as an expired id's).
 """
 
 import copy
 import json
+import logging
+import os
+import queue
 import re
+import sqlite3
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+log = logging.getLogger("openforge.sidecar")
 
 MAX_RESPONSES = 4096
 REFERENCE = "item_reference"
+DB_FILE = "responses.sqlite"
+SCHEMA = (
+    "CREATE TABLE IF NOT EXISTS kept (n INTEGER PRIMARY KEY AUTOINCREMENT, response_id TEXT UNIQUE NOT NULL, "
+    "episode TEXT NOT NULL, call_id TEXT NOT NULL, input TEXT NOT NULL, response TEXT NOT NULL)"
+)
 
 
 class NotFound(Exception):
@@ -92,6 +109,54 @@ class ResponseStore:
         self.items: dict[tuple[str, Any], Any] = {}  # (episode, item id: a str) -> the item
         self.owners: dict[tuple[str, Any], str] = {}  # (episode, output item id) -> the response that answered it
         self.lock = threading.Lock()
+        self.writes: queue.SimpleQueue[tuple[str, Kept | None] | None] | None = None  # to the disk, when persisted
+        self.writer: threading.Thread | None = None
+
+    def persist(self, folder: Path) -> int:
+        """Keep the answers in ``folder``/responses.sqlite too, from now on; the ones kept there before (the last
+        ``max_responses``) are read back first. Returns how many."""
+        path = folder / DB_FILE
+        fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)  # created private, before SQLite opens it
+        os.close(fd)
+        db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=NORMAL")  # a committed answer survives the process; a power cut may lose it
+        db.execute(SCHEMA)
+        rows = db.execute(
+            "SELECT episode, call_id, input, response FROM kept ORDER BY n DESC LIMIT ?", (self.max_responses,)
+        ).fetchall()
+        for episode, call_id, sent, response in reversed(rows):
+            self._keep(Kept(episode, call_id, json.loads(sent), json.loads(response)))
+        db.execute("DELETE FROM kept WHERE n <= (SELECT MAX(n) FROM kept) - ?", (self.max_responses,))
+        self.writes = queue.SimpleQueue()
+        self.writer = threading.Thread(target=self._write, args=(db, self.writes), name="forge-responses", daemon=True)
+        self.writer.start()
+        return len(rows)
+
+    def _write(self, db: sqlite3.Connection, writes: "queue.SimpleQueue[tuple[str, Kept | None] | None]") -> None:
+        """The disk's side: each kept answer inserted, each dropped one deleted, in order; ``None`` ends it."""
+        while (op := writes.get()) is not None:
+            response_id, kept = op
+            try:
+                if kept is None:
+                    db.execute("DELETE FROM kept WHERE response_id = ?", (response_id,))
+                else:
+                    db.execute(
+                        "INSERT OR REPLACE INTO kept (response_id, episode, call_id, input, response) "
+                        "VALUES (?, ?, ?, ?, ?)",
+                        (response_id, kept.episode, kept.call_id, json.dumps(kept.input), json.dumps(kept.response)),
+                    )
+            except (sqlite3.Error, TypeError, ValueError) as error:  # the answer stays served from memory
+                log.error("a stored response could not be written to disk (%s); a restart forgets it",
+                          type(error).__name__)  # fmt: skip
+        db.close()
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Write what is queued and close the file (a graceful stop)."""
+        if self.writes is not None and self.writer is not None:
+            self.writes.put(None)
+            self.writer.join(timeout_s)
+            self.writes = None
 
     def _response(self, episode: str, response_id: Any, param: str | None = "previous_response_id") -> Kept:
         kept = self.responses.get(response_id) if isinstance(response_id, str) else None
@@ -129,25 +194,42 @@ class ResponseStore:
 
     def keep(self, episode: str, call_id: str, sent: list[Any], response: dict[str, Any]) -> None:
         """Remember an answer served (``response`` as the harness got it) with the whole input it answered."""
-        response_id = response.get("id")
-        if not isinstance(response_id, str):
+        if not isinstance(response.get("id"), str):
             return
         with self.lock:
             kept = Kept(episode, call_id, sent, copy.deepcopy(response))
-            output = list(kept.response.get("output") or [])
-            for item in [*sent, *output]:  # an id kept already stays its first owner's
-                key = (episode, item.get("id")) if isinstance(item, dict) else None
-                if key is not None and isinstance(key[1], str) and key not in self.items:
-                    self.items[key] = item
-                    kept.item_ids.append(key[1])
-                    if any(item is out for out in output):
-                        self.owners[key] = response_id
-            self.responses[response_id] = kept
-            while len(self.responses) > self.max_responses:
-                _, dropped = self.responses.popitem(last=False)
-                for item_id in dropped.item_ids:
-                    self.items.pop((dropped.episode, item_id), None)
-                    self.owners.pop((dropped.episode, item_id), None)
+            for dropped in self._keep(kept):
+                self._written(dropped, None)
+            self._written(kept.response["id"], kept)
+
+    def _written(self, response_id: str, kept: Kept | None) -> None:
+        if self.writes is not None:
+            self.writes.put((response_id, kept))
+
+    def _keep(self, kept: Kept) -> list[str]:
+        """Index an answer by its response id and item ids (the lock held, or at start); the ids of the answers
+        dropped to stay within ``max_responses``."""
+        response_id = kept.response["id"]
+        output = list(kept.response.get("output") or [])
+        for item in [*kept.input, *output]:  # an id kept already stays its first owner's
+            key = (kept.episode, item.get("id")) if isinstance(item, dict) else None
+            if key is not None and isinstance(key[1], str) and key not in self.items:
+                self.items[key] = item
+                kept.item_ids.append(key[1])
+                if any(item is out for out in output):
+                    self.owners[key] = response_id
+        self.responses[response_id] = kept
+        dropped = []
+        while len(self.responses) > self.max_responses:
+            gone, old = self.responses.popitem(last=False)
+            self._forget(old)
+            dropped.append(gone)
+        return dropped
+
+    def _forget(self, kept: Kept) -> None:
+        for item_id in kept.item_ids:
+            self.items.pop((kept.episode, item_id), None)
+            self.owners.pop((kept.episode, item_id), None)
 
     def get(self, episode: str, response_id: str) -> dict[str, Any]:
         with self.lock:
@@ -161,9 +243,8 @@ class ResponseStore:
         with self.lock:
             kept = self._response(episode, response_id, None)
             del self.responses[response_id]
-            for item_id in kept.item_ids:
-                self.items.pop((kept.episode, item_id), None)
-                self.owners.pop((kept.episode, item_id), None)
+            self._forget(kept)
+            self._written(response_id, None)
 
 
 STORED_PATH = re.compile(r"/responses/([^/]+)(/input_items)?$")

@@ -27,7 +27,6 @@ import marshal
 import os
 import sqlite3
 import struct
-import sys
 import threading
 import time
 import zlib
@@ -74,20 +73,6 @@ CREATE TABLE IF NOT EXISTS batches (
     number INTEGER PRIMARY KEY AUTOINCREMENT, tbl TEXT NOT NULL, first_id INTEGER NOT NULL, last_id INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS episodes (episode_id TEXT PRIMARY KEY, next_seq INTEGER NOT NULL, touched REAL NOT NULL);
 """
-
-
-def pack_ids(values: list[int]) -> bytes:
-    packed = array("i", values)
-    if sys.byteorder == "big":
-        packed.byteswap()
-    return packed.tobytes()
-
-
-def pack_floats(values: list[float]) -> bytes:
-    packed = array("f", values)
-    if sys.byteorder == "big":
-        packed.byteswap()
-    return packed.tobytes()
 
 
 _INSERT = f"INSERT INTO records (tbl, size, logged_at, fields, {', '.join(_RAW)}) VALUES ({', '.join('?' * 9)})"

@@ -191,7 +191,7 @@ def test_the_summary_table_says_what_each_round_did() -> None:
 def test_a_module_the_agent_writes_into_its_workspace_is_not_what_the_verifier_imports(tmp_path: Path) -> None:
     """The verifier runs in the workspace; `python -m` would put it first on the import path, and a json.py there
     would decide the reward (it did, before -P)."""
-    from forge.demo.run import with_harness_env
+    from forge.demo.harness import with_harness_env
     from k8s.verify import run_verifier
 
     (tmp_path / "json.py").write_text(

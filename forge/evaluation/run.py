@@ -3,7 +3,7 @@ back from the store; pass@1, pass@k and pass^k per task and overall; `DIR/eval.j
 
 The rollouts are `forge demo`'s: `k8s.rollout.run_local` (one regular-mode sidecar in front of the policy server,
 each rollout a process in its own folder, its verifier's reward written to the store) on the demo's task format
-(`forge.demo.run.with_harness_env`: $FORGE_DEMO_MINI, $FORGE_DEMO_DIR, $FORGE_DEMO_PYTHON). A harness that crashes
+(`forge.demo.harness.with_harness_env`: $FORGE_DEMO_MINI, $FORGE_DEMO_DIR, $FORGE_DEMO_PYTHON). A harness that crashes
 or times out is judged by its verifier like any other rollout: a failure counts, it is not dropped.
 
 The run id starts with `eval-` (`collector.episode.EVALUATION_RUN_PREFIX`): no trainer ever learns from these
@@ -233,7 +233,7 @@ def check_settings(settings: EvalSettings, tasks: list[Task]) -> None:
 
 def evaluate(settings: EvalSettings, echo: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the evaluation, write DIR/eval.json, print the figures; returns the eval.json document."""
-    from forge.demo.run import find_harness, with_harness_env
+    from forge.demo.harness import find_harness, with_harness_env
 
     started, started_at = time.monotonic(), datetime.now(UTC)
     tasks = load_tasks(settings.tasks_file)

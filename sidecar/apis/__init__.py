@@ -1,30 +1,25 @@
-"""The wire APIs the sidecar understands, found from the request's method and path.
+"""The wire APIs the sidecar understands, found from the request's method and path (``registry.api_for``).
 
-Recorded (model calls): ``chat``, ``completions`` (module ``openai``), ``responses``, ``messages``.
-Served from the policy but not recorded (no sampling): ``count_tokens`` (Anthropic, vLLM answers it),
-``models`` (the model list; in Anthropic's format when the harness speaks Anthropic).
-Answered by the sidecar itself: ``responses_socket`` (Codex's WebSocket upgrade on GET /v1/responses: refused
-at once, so it falls back to POST), ``responses_stored`` (GET/DELETE /v1/responses/{id}, GET .../input_items:
-from the answers this episode was served, ``sidecar/response_store.py``).
+Each module registers its routes (``sidecar/apis/registry.py``): ``openai`` (``chat``, ``completions``, the
+``models`` list), ``responses`` (``responses``; ``responses_socket``: Codex's WebSocket upgrade on GET
+/v1/responses, refused at once so it falls back to POST; ``responses_stored``: GET/DELETE /v1/responses/{id}, GET
+.../input_items, answered from the answers this episode was served, ``sidecar/response_store.py``), ``messages``
+(``messages``; ``count_tokens``, which vLLM answers). Importing this package registers them all.
 """
 
 from dataclasses import dataclass
 from typing import Any
 
-from sidecar import response_store
-from sidecar.apis import messages, openai, responses
+from sidecar.apis import messages, openai, responses  # each registers its routes
 from sidecar.apis.base import WireApi
+from sidecar.apis.registry import RECORDED, REGISTRY, Api, api_for
 
-# Each module as a WireApi: mypy checks every one against the contract.
-RECORDED: dict[str, WireApi] = {"chat": openai, "completions": openai, "responses": responses, "messages": messages}
-MODEL_LIST_PATHS = ("/v1/models", "/models")
-# The request fields that bound the completion's length, per API (the first is set when none is given).
-MAX_TOKEN_FIELDS = {
-    "chat": ("max_tokens", "max_completion_tokens"), "completions": ("max_tokens",),
-    "responses": ("max_output_tokens",), "messages": ("max_tokens",),
-}  # fmt: skip
-# Where a request sets several, the one the server obeys comes first (vLLM's chat: max_completion_tokens).
-EFFECTIVE_ORDER = {"chat": ("max_completion_tokens", "max_tokens")}
+__all__ = ["REGISTRY", "Api", "api_for", "messages", "openai", "responses"]
+
+# Each recorded module as a WireApi: mypy checks every one against the contract (``register`` takes it as a module).
+CONTRACT: tuple[WireApi, ...] = (openai, responses, messages)
+# The request fields that bound the completion's length, per recorded API (the first is set when none is given).
+MAX_TOKEN_FIELDS = {api.name: api.max_token_fields for api in REGISTRY.values() if api.serve == RECORDED}
 # Request fields of vLLM's own that no OpenAI or Anthropic client sends and that steer its internals: the prompt
 # (prompt ids given through kv_transfer_params, another chat template, no generation prompt), the prefix cache
 # (cache_salt: the sidecar's per-version salt), scheduling, request ids, custom processors. The harness's are
@@ -37,27 +32,6 @@ INTERNAL_FIELDS = frozenset({
 })  # fmt: skip
 
 
-def api_for(method: str, path: str) -> str | None:
-    path = path.split("?", 1)[0].rstrip("/")
-    if method == "POST":
-        if api := openai.api_for_path(path):
-            return api
-        if path.endswith(responses.PATHS):
-            return "responses"
-        if path.endswith(messages.COUNT_TOKENS_PATHS):
-            return "count_tokens"
-        if path.endswith(messages.PATHS):
-            return "messages"
-    elif method == "GET":
-        if path.endswith(MODEL_LIST_PATHS):
-            return "models"
-        if path.endswith(responses.PATHS):
-            return "responses_socket"
-    if response_store.stored_path(method, path):
-        return "responses_stored"
-    return None
-
-
 def drop_internal_fields(body: dict[str, Any]) -> list[str]:
     """Remove (in place) the fields of ``INTERNAL_FIELDS`` a request carries; their names."""
     dropped = sorted(INTERNAL_FIELDS.intersection(body))
@@ -66,8 +40,16 @@ def drop_internal_fields(body: dict[str, Any]) -> list[str]:
     return dropped
 
 
+def spec(api: str) -> Api:
+    """What the registry says of ``api`` (a name ``api_for`` gave)."""
+    return REGISTRY[api]
+
+
 def module_for(api: str) -> WireApi:
-    return RECORDED[api]
+    module = REGISTRY[api].module
+    if module is None:
+        raise ValueError(f"{api} is not a recorded API")
+    return module
 
 
 @dataclass
@@ -112,7 +94,7 @@ def _bound(value: object) -> int | None:
 
 def _effective(api: str, body: dict[str, Any]) -> int | None:
     """The bound the server obeys: the first integer field in its order of precedence."""
-    values = (_bound(body.get(name)) for name in EFFECTIVE_ORDER.get(api, MAX_TOKEN_FIELDS[api]))
+    values = (_bound(body.get(name)) for name in REGISTRY[api].effective_order or MAX_TOKEN_FIELDS[api])
     return next((value for value in values if value is not None), None)
 
 

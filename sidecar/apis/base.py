@@ -1,6 +1,6 @@
 """What every wire API module gives the addon: the token-level view of an answer, and how it is gathered.
 
-The contract is ``WireApi`` (a ``typing.Protocol``; ``apis.RECORDED`` holds each module as one, so mypy checks
+The contract is ``WireApi`` (a ``typing.Protocol``; each module registers itself as one, so mypy checks
 every module against it). Each module (``openai`` for Chat Completions and Completions, ``responses``,
 ``messages``) has the same surface:
 
@@ -127,3 +127,12 @@ class DataStream:
 
 def compact(obj: Any) -> str:
     return codec.dumps_text(obj)
+
+
+def text_of(content: Any) -> str:
+    """The text of a message's content: a string, or the ``text`` of its parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(text for part in content if isinstance(part, dict) and isinstance(text := part.get("text"), str))
+    return ""

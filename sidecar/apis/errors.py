@@ -7,8 +7,7 @@ would also name internal addresses. OpenAI's APIs (chat, completions, responses)
 
 import json
 
-OPENAI_APIS = ("chat", "completions", "responses")
-ANTHROPIC_APIS = ("messages",)
+from sidecar.apis.registry import REGISTRY, Dialect
 
 # Status → (OpenAI type, Anthropic type), as the real services name them.
 ERROR_TYPES = {
@@ -23,24 +22,30 @@ ERROR_TYPES = {
 }
 
 
-def error_type(api: str | None, status: int) -> str:
-    openai_type, anthropic_type = ERROR_TYPES.get(status, ("server_error", "api_error"))
-    return anthropic_type if api in ANTHROPIC_APIS else openai_type
+def openai_error(status: int, message: str, code: str | None = None) -> bytes:
+    """OpenAI's error body (chat, completions, responses, and any API the registry does not know)."""
+    kind = ERROR_TYPES.get(status, ("server_error", "api_error"))[0]
+    body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def anthropic_error(status: int, message: str, code: str | None = None) -> bytes:
+    """Anthropic's error body (Messages); it has no code."""
+    kind = ERROR_TYPES.get(status, ("server_error", "api_error"))[1]
+    return json.dumps({"type": "error", "error": {"type": kind, "message": message}}, separators=(",", ":")).encode()
+
+
+def dialect_of(api: str | None) -> Dialect:
+    known = REGISTRY.get(api or "") or REGISTRY.get("chat")
+    assert known is not None, "sidecar.apis registers its modules on import"
+    return known.dialect
 
 
 def error_body(api: str | None, status: int, message: str, code: str | None = None) -> bytes:
-    """The JSON body of an error answer for ``api`` (OpenAI's format for an unknown api)."""
-    kind = error_type(api, status)
-    if api in ANTHROPIC_APIS:
-        body: dict = {"type": "error", "error": {"type": kind, "message": message}}
-    else:
-        body = {"error": {"message": message, "type": kind, "param": None, "code": code}}
-    return json.dumps(body, separators=(",", ":")).encode()
+    """The JSON body of an error answer for ``api``, in its dialect (OpenAI's for an unknown api)."""
+    return dialect_of(api).error_body(status, message, code)
 
 
 def error_headers(api: str | None) -> dict[str, str]:
     """Headers of the error answer (Anthropic's SDK reads ``x-should-retry``; OpenAI's reads the status)."""
-    headers = {"content-type": "application/json"}
-    if api in ANTHROPIC_APIS:
-        headers["x-should-retry"] = "true"
-    return headers
+    return dict(dialect_of(api).error_headers)

@@ -14,12 +14,17 @@ Normalised the same way on every call, so that a conversation's prompts extend e
 """
 
 import json
+import sys
+import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from sidecar.apis import openai
 from sidecar.apis.base import Sampled, compact
+from sidecar.apis.errors import anthropic_error
+from sidecar.apis.registry import RECORDED, ROUTED, Api, Dialect, register
 from sidecar.sse import parse_event
 
 PATHS = ("/v1/messages", "/messages")
@@ -379,3 +384,36 @@ class StreamState:
 
     def summary(self) -> dict[str, Any]:
         return {**self.chat.summary(), "translated_from": "chat"}
+
+
+def model_list(openai_list: bytes) -> bytes | None:
+    """vLLM lists models in OpenAI's shape; an Anthropic client gets Anthropic's (None: not a model list)."""
+    try:
+        listed = json.loads(openai_list or b"")["data"]
+        data = [
+            {"type": "model", "id": m.get("id"), "display_name": m.get("id"),
+             "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(m.get("created") or 0))}
+            for m in listed
+        ]  # fmt: skip
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return json.dumps(
+        {"data": data, "has_more": False, "first_id": data[0]["id"] if data else None,
+         "last_id": data[-1]["id"] if data else None}
+    ).encode()  # fmt: skip
+
+
+def system_prompt(body: Mapping[str, Any]) -> list[str]:
+    """The system blocks' texts, but for Claude Code's billing header."""
+    system = body.get("system")
+    blocks = system if isinstance(system, list) else [{"text": system}] if isinstance(system, str) else []
+    texts = [t for b in blocks if isinstance(b, dict) and isinstance(t := b.get("text"), str)]
+    return [t for t in texts if not t.startswith(BILLING_PREFIX)]
+
+
+DIALECT = Dialect("anthropic", anthropic_error, {"content-type": "application/json", "x-should-retry": "true"},
+                  upstream_error=error_body, model_list=model_list, header="anthropic-version")  # fmt: skip
+register(Api("messages", "POST", PATHS, RECORDED, DIALECT, module=sys.modules[__name__], tokens_in="chat",
+             max_token_fields=("max_tokens",), system_prompt=system_prompt))  # fmt: skip
+# Served by the policy (vLLM answers it), not recorded; the requested model name is mapped as for a call.
+register(Api("count_tokens", "POST", COUNT_TOKENS_PATHS, ROUTED, DIALECT, maps_model=True))

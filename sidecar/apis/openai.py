@@ -5,23 +5,18 @@ the answer the harness gets loses exactly what those added (the ids, the logprob
 harness asked for them itself. Everything else is the upstream's, byte for byte where nothing was removed.
 """
 
+import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from sidecar.apis.base import DataStream, Sampled, clear, compact, logprob
+from sidecar.apis.base import DataStream, Sampled, clear, compact, logprob, text_of
+from sidecar.apis.errors import openai_error
+from sidecar.apis.registry import RECORDED, ROUTED, Api, Dialect, register
 from sidecar.sse import Chunk, parse_data
 
 CHAT_PATHS = ("/v1/chat/completions", "/chat/completions")
 COMPLETIONS_PATHS = ("/v1/completions", "/completions")
-
-
-def api_for_path(path: str) -> str | None:
-    path = path.split("?", 1)[0].rstrip("/")
-    if path.endswith(CHAT_PATHS):
-        return "chat"
-    if path.endswith(COMPLETIONS_PATHS):
-        return "completions"
-    return None
 
 
 @dataclass
@@ -187,3 +182,23 @@ class StreamState(DataStream):
         if self.tool_calls:
             out["tool_calls"] = [self.tool_calls[i] for i in sorted(self.tool_calls)]
         return out
+
+
+def system_prompt(body: Mapping[str, Any]) -> list[str]:
+    """The system (or developer) message a chat request opens with."""
+    messages = body.get("messages")
+    first = messages[0] if isinstance(messages, list) and messages else None
+    return [text_of(first.get("content"))] if isinstance(first, dict) and first.get("role") in SYSTEM_ROLES else []
+
+
+SYSTEM_ROLES = ("system", "developer")
+DIALECT = Dialect("openai", openai_error)
+MODEL_LIST_PATHS = ("/v1/models", "/models")
+# vLLM's chat obeys max_completion_tokens where a request sets both.
+register(Api("chat", "POST", CHAT_PATHS, RECORDED, DIALECT, module=sys.modules[__name__], system_prompt=system_prompt,
+             max_token_fields=("max_tokens", "max_completion_tokens"),
+             effective_order=("max_completion_tokens", "max_tokens"), tokens_in="chat"))  # fmt: skip
+register(Api("completions", "POST", COMPLETIONS_PATHS, RECORDED, DIALECT, module=sys.modules[__name__],
+             max_token_fields=("max_tokens",)))  # fmt: skip
+# The model list: served by the policy, in the dialect of the client that asks (sidecar/addon.py).
+register(Api("models", "GET", MODEL_LIST_PATHS, ROUTED, DIALECT, lists_models=True))

@@ -36,11 +36,15 @@ item (a developer-role item holding namespaces of tools) beside an empty ``tools
 """
 
 import math
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from sidecar.apis.base import DataStream, Sampled, clear, compact, logprob
+from sidecar import response_store
+from sidecar.apis import openai
+from sidecar.apis.base import DataStream, Sampled, clear, compact, logprob, text_of
+from sidecar.apis.registry import ANSWERED, RECORDED, REFUSED, Api, register
 from sidecar.sse import parse_data
 
 PATHS = ("/v1/responses", "/responses")
@@ -344,3 +348,26 @@ class StreamState(DataStream):
         if not self.done:
             out["logprobs_seen"] = len(self.logprobs)
         return out
+
+
+def system_prompt(body: Mapping[str, Any]) -> list[str]:
+    """The instructions, and the first system (or developer) item of the input."""
+    texts = [body["instructions"]] if isinstance(body.get("instructions"), str) else []
+    items = body.get("input")
+    for item in items if isinstance(items, list) else []:
+        if isinstance(item, dict) and item.get("role") in openai.SYSTEM_ROLES:
+            texts.append(text_of(item.get("content")))
+            break
+    return texts
+
+
+register(Api("responses", "POST", PATHS, RECORDED, openai.DIALECT, module=sys.modules[__name__],
+             max_token_fields=("max_output_tokens",), system_prompt=system_prompt, stateful=True,
+             tokens_in="responses"))  # fmt: skip
+# Codex tries a WebSocket on GET /v1/responses first; a plain refusal makes it POST at once.
+register(Api("responses_socket", "GET", PATHS, REFUSED, openai.DIALECT, refusal=(426, {"error": {
+    "message": "WebSocket transport is not served here: use POST", "type": "invalid_request_error",
+    "code": "websocket_not_supported"}}, "websocket_refused_total")))  # fmt: skip
+# GET/DELETE /v1/responses/{id}, GET .../input_items: from the answers this episode was served.
+register(Api("responses_stored", "*", (), ANSWERED, openai.DIALECT, matches=response_store.stored_path,
+             answer=response_store.answer))  # fmt: skip

@@ -148,12 +148,13 @@ def make_forge(tmp: Path) -> tuple[Forge, RecordWriter, taddons.context]:
     tctx = taddons.context(forge)
     tctx.configure(forge, forge_tokens_in="off")
     writer = RecordWriter(tmp / "wal", open_store(str(tmp / "store")), forge.metrics)
-    forge.writer, forge.sidecar_id = writer, writer.sidecar_id
-    forge.policy_version, forge.policy_model, forge.tokens_in_mode = "7", POLICY, "off"
+    forge.relay.writer, forge.relay.sidecar_id, forge.router.writer = writer, writer.sidecar_id, writer
+    forge.router.policy_version = forge.relay.policy_version = "7"
+    forge.router.policy_model, forge.router.tokens_in_mode = POLICY, "off"
     forge.model_hosts = {"api.openai.com", "api.anthropic.com"}
-    forge.model_map = [("*", "")]
-    forge.replicas = ReplicaSet(parse_upstreams(f"http://{UPSTREAM[0]}:{UPSTREAM[1]}"))
-    forge.replicas.all()[0].context = CONTEXT
+    forge.router.model_map = [("*", "")]
+    forge.router.replicas = ReplicaSet(parse_upstreams(f"http://{UPSTREAM[0]}:{UPSTREAM[1]}"))
+    forge.router.replicas.all()[0].context = CONTEXT
     return forge, writer, tctx
 
 
@@ -199,7 +200,7 @@ async def one_call(forge: Forge, writer: RecordWriter, api: str, content: bytes,
         await forge.response(flow)
     found = records_of(writer, call.call_id)
     assert len(found) == 1, f"{len(found)} records for one call"
-    assert call.call_id not in forge.in_flight, "the call is still in flight"
+    assert call.call_id not in forge.relay.in_flight, "the call is still in flight"
 
 
 # The triggers found by hand, each once before the search and each to be prepared whole: a lone surrogate, a
@@ -253,7 +254,7 @@ async def tokens_in_fallback_unreachable(forge: Forge, writer: RecordWriter) -> 
         assert json.loads(flow.response.content or b"")["error"]["message"]
         (record,) = records_of(writer, call.call_id)
         assert record["http_status"] == expected and record["status"] in ("error", "upstream_error"), record
-        assert call.call_id not in forge.in_flight, "the call is still in flight"
+        assert call.call_id not in forge.relay.in_flight, "the call is still in flight"
 
 
 async def replica_move_bounds_again(forge: Forge, writer: RecordWriter) -> None:
@@ -263,12 +264,14 @@ async def replica_move_bounds_again(forge: Forge, writer: RecordWriter) -> None:
         listening.bind(("127.0.0.1", 0))
         listening.listen()
         small = listening.getsockname()[1]
-        forge.replicas = ReplicaSet(parse_upstreams(f"http://127.0.0.1:{closed_port()},http://127.0.0.1:{small}"))
-        large, smaller = forge.replicas.all()
+        forge.router.replicas = ReplicaSet(
+            parse_upstreams(f"http://127.0.0.1:{closed_port()},http://127.0.0.1:{small}")
+        )
+        large, smaller = forge.router.replicas.all()
         if large.port == small:
             large, smaller = smaller, large
         large.context, smaller.context = 8192, 2048
-        forge.replicas.served("episode-moved", large)
+        forge.router.replicas.served("episode-moved", large)
         body = {"model": "claude-x", "max_tokens": 128000, "messages": [{"role": "user", "content": "hi"}]}
         headers = http.Headers(content_type="application/json", x_forge_episode_id="episode-moved")
         flow = await model_call(forge, "messages", json.dumps(body).encode(), headers)
@@ -286,23 +289,26 @@ async def replicas_that_leave_dns_are_forgotten(forge: Forge, writer: RecordWrit
     """Issue 21, item 10: when DNS no longer lists a replica, its version client (and thread), tokens-in client
     and gauge go with it; the replica that stays keeps its own."""
     listed = ["127.0.0.1", "127.0.0.2"]
-    forge.replicas = ReplicaSet(parse_upstreams(f"dns+http://policy.test:{closed_port()}"),
+    forge.router.replicas = ReplicaSet(parse_upstreams(f"dns+http://policy.test:{closed_port()}"),
                                 resolver=lambda name, port: list(listed), refresh_s=0.0)  # fmt: skip
-    stay, leave = forge.replicas.all()
-    clocks = {r.url: forge._clock(r) for r in (stay, leave)}
+    stay, leave = forge.router.replicas.all()
+    clocks = {r.url: forge.router.clock(r) for r in (stay, leave)}
     for replica in (stay, leave):
-        forge._continuations(replica)
-    forge._replica_metrics()
+        forge.router.continuations_for(replica)
+    forge.router.replica_metrics()
     assert f'replica_up{{replica="{leave.url}"}}' in forge.metrics.render()
     listed.remove(leave.host)
-    poller = threading.Thread(target=forge._watch_policy, daemon=True)
+    poller = threading.Thread(target=forge.router.watch, daemon=True)
     poller.start()
     deadline = time.monotonic() + 10
-    while leave.url in forge.versions and time.monotonic() < deadline:
+    while leave.url in forge.router.versions and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-    forge.stop.set()
+    forge.router.stop.set()
     poller.join(10)
-    assert set(forge.versions) == set(forge.continuations) == {stay.url}, (forge.versions, forge.continuations)
+    assert set(forge.router.versions) == set(forge.router.continuations) == {stay.url}, (
+        forge.router.versions,
+        forge.router.continuations,
+    )
     clocks[leave.url].thread.join(5)
     assert not clocks[leave.url].thread.is_alive() and clocks[stay.url].thread.is_alive()
     assert leave.url not in forge.metrics.render() and stay.url in forge.metrics.render()

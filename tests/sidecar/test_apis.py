@@ -28,6 +28,30 @@ def test_the_api_is_found_from_method_and_path(method, path, api):
     assert apis.api_for(method, path) == api
 
 
+def test_every_registered_route_is_found_from_each_of_its_paths():
+    """The registry is the only table: each route's own paths lead back to it (the longest suffix wins, so
+    /v1/chat/completions is chat although it ends in /completions too)."""
+    for api in apis.REGISTRY.values():
+        for path in api.paths:
+            assert apis.api_for(api.method, path) == api.name, (api.name, path)
+            assert apis.api_for(api.method, f"/openai{path}/?x=1") == api.name, (api.name, path)
+    assert apis.api_for("GET", "/v1/responses/resp_1") == apis.api_for("DELETE", "/v1/responses/resp_1")
+    assert apis.api_for("GET", "/v1/responses/resp_1") == "responses_stored"
+
+
+def test_a_route_is_registered_once_and_a_recorded_one_has_a_module_and_a_bound(monkeypatch):
+    from sidecar.apis import registry
+
+    monkeypatch.setattr(registry, "REGISTRY", dict(registry.REGISTRY))
+    with pytest.raises(ValueError, match="registered twice"):
+        registry.register(apis.REGISTRY["chat"])
+    with pytest.raises(ValueError, match="a recorded API"):
+        registry.register(registry.Api("embeddings", "POST", ("/v1/embeddings",), registry.RECORDED,
+                                       apis.openai.DIALECT))  # fmt: skip
+    registry.register(registry.Api("embeddings", "POST", ("/v1/embeddings",), registry.ROUTED, apis.openai.DIALECT))
+    assert registry.api_for("POST", "/v1/embeddings") == "embeddings"
+
+
 def sse(data: dict | str, event: str | None = None) -> bytes:
     payload = data if isinstance(data, str) else json.dumps(data)
     return (f"event: {event}\n" if event else "").encode() + f"data: {payload}\n\n".encode()

@@ -11,8 +11,9 @@ import pytest
 
 from forge.paths import repo_root
 from sidecar.metrics import Metrics
+from sidecar.record import pack_floats, pack_ids
 from sidecar.store import open_store
-from sidecar.writer import WAL_FILE, RecordWriter, pack_floats, pack_ids
+from sidecar.writer import WAL_FILE, RecordWriter
 
 
 def make_writer(tmp_path: Path) -> RecordWriter:

@@ -35,11 +35,11 @@ def test_the_closest_remembered_request_is_the_parent_and_little_sharing_is_stor
     assert index.split("other", grown).parent_call_id is None  # another episode's requests are never parents
     index.remember("ep", "c2", grown)
     index.remember("ep", "c3", "x" * 100)
-    assert [c for c, _ in index.episodes["ep"]] == ["c2", "c3"] and index.chars == len(grown) + 100
+    assert [c for c, _ in index.recent.episodes["ep"]] == ["c2", "c3"] and index.recent.total == len(grown) + 100
 
 
 def test_the_index_is_bounded_in_characters():
     index = RequestIndex(max_chars=250)
     for n in range(5):
         index.remember(f"ep{n}", "c", "x" * 100)
-    assert index.chars <= 250 and list(index.episodes) == ["ep3", "ep4"]
+    assert index.recent.total <= 250 and list(index.recent.episodes) == ["ep3", "ep4"]

@@ -208,3 +208,32 @@ def test_store_false_keeps_nothing(start_sidecar, policy_server):
     with pytest.raises(openai.NotFoundError):
         sdk.responses.retrieve(unkept.id)
     assert sdk.responses.retrieve(kept.id).id == kept.id
+
+
+def test_a_stored_tool_loop_goes_on_across_a_sidecar_restart(start_sidecar, policy_server, tmp_path):
+    """Step 1 is served by one sidecar, which then stops (SIGTERM, as a pod's restart does); a new one on the same
+    WAL folder serves the next steps, which name the earlier answers by ``previous_response_id``: each is resolved
+    from what the first one kept, so the policy is sent what the stateless loop sends (tokens-in off) and the
+    records are the same. Before the answers were kept on disk the second step was a 404."""
+    wal = tmp_path / "wal-restarted"
+    first = start_sidecar(policy_server.base_url, episode_id=None, wal_dir=wal, extra=("--tokens-in", "off"))
+    sent: list[Any] = list(FIRST)
+    replies = [create(client(first, "stored"), False, input=sent)]
+    assert first.stop() == 0
+    second = start_sidecar(policy_server.base_url, episode_id=None, wal_dir=wal, store=first.store,
+                           extra=("--tokens-in", "off"))  # fmt: skip
+    sdk = client(second, "stored")
+    for step in range(1, STEPS):
+        following = answer_to(replies[-1], step - 1)
+        replies.append(create(sdk, False, input=following, previous_response_id=replies[-1].id))
+    plain = stateless_loop(client(second, "plain"), [False] * STEPS)
+    assert outputs(replies) == outputs(plain)
+    recorded = episode_calls(second.store, "stored", STEPS)
+    exact = episode_calls(second.store, "plain", STEPS)
+    assert [c["status"] for c in recorded + exact] == ["ok"] * 2 * STEPS, [c["error"] for c in recorded + exact]
+    for mine, theirs in zip(recorded, exact, strict=True):
+        assert list(mine["prompt_token_ids"]) == list(theirs["prompt_token_ids"])
+        assert list(mine["completion_token_ids"]) == list(theirs["completion_token_ids"])
+    other = client(second, "another-episode")  # the walls hold after the restart too
+    with pytest.raises(openai.NotFoundError):
+        create(other, False, input=[{"role": "user", "content": "hi"}], previous_response_id=replies[0].id)

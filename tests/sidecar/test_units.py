@@ -22,11 +22,21 @@ from forge.paths import repo_root
 from sidecar.apis import openai
 from sidecar.metrics import Metrics
 from sidecar.prefix import PrefixIndex, common_prefix_len
-from sidecar.record import CALL_SCHEMA, REWARD_SCHEMA, CallRecord, RewardRow, checked_row, reward_row, to_table
+from sidecar.record import (
+    CALL_SCHEMA,
+    REWARD_SCHEMA,
+    CallRecord,
+    RewardRow,
+    checked_row,
+    pack_floats,
+    pack_ids,
+    reward_row,
+    to_table,
+)
 from sidecar.redact import REDACTED, redacted_json, secrets_in_headers
 from sidecar.sse import EventFramer, parse_data, parse_event, rewrite_event
 from sidecar.store import StoreError, open_store
-from sidecar.writer import WAL_FILE, RecordWriter, pack_floats, pack_ids, pending_records, rows_to_table
+from sidecar.writer import WAL_FILE, RecordWriter, pending_records, rows_to_table
 
 STREAM = b'data: {"a":1}\n\nevent: ping\ndata: {"b":2}\n\n: comment\n\ndata: [DONE]\n\n'
 
@@ -221,8 +231,9 @@ def test_the_prefix_index_is_bounded_in_bytes():
     for episode in range(50):
         for call in range(3):
             index.remember(f"e{episode}", f"c{episode}-{call}", pack_ids(list(range(100))))
-    assert index.bytes <= 4000 and index.bytes == sum(len(s) for calls in index.episodes.values() for _, s in calls)
-    assert index.split("e49", pack_ids(list(range(100)))) == ("c49-2", 100) and "e0" not in index.episodes
+    recent = index.recent
+    assert recent.total <= 4000 and recent.total == sum(len(s) for calls in recent.episodes.values() for _, s in calls)
+    assert index.split("e49", pack_ids(list(range(100)))) == ("c49-2", 100) and "e0" not in recent.episodes
 
 
 def test_bad_store_uris_say_what_to_write(tmp_path):

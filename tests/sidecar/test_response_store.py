@@ -1,0 +1,73 @@
+"""The stored Responses answers survive a restart (sidecar/response_store.py): written through to the WAL folder,
+read back at start, with the same walls between episodes and the same bound."""
+
+import stat
+from typing import Any
+
+import pytest
+
+from sidecar.response_store import DB_FILE, NotFound, ResponseStore
+
+
+def answer(n: int) -> dict:
+    return {"id": f"resp_{n}", "object": "response", "status": "completed",
+            "output": [{"type": "message", "id": f"msg_{n}", "role": "assistant",
+                        "content": [{"type": "output_text", "text": f"answer {n}"}]}]}  # fmt: skip
+
+
+def asked(n: int) -> list:
+    return [{"type": "message", "role": "user", "content": f"question {n}"}]
+
+
+def continued(store: ResponseStore, episode: str, previous: str) -> list:
+    body: dict[str, Any] = {"previous_response_id": previous, "input": [{"role": "user", "content": "and then?"}]}
+    store.resolve(episode, body)
+    return body["input"]
+
+
+def test_a_restarted_store_resolves_what_the_old_one_kept(tmp_path):
+    before = ResponseStore()
+    assert before.persist(tmp_path) == 0
+    before.keep("a", "call-1", asked(1), answer(1))
+    before.keep("a", "call-2", asked(2), answer(2))
+    before.keep("b", "call-3", asked(3), answer(3))
+    before.delete("a", "resp_2")
+    whole = continued(before, "a", "resp_1")
+    before.close()
+    assert stat.S_IMODE((tmp_path / DB_FILE).stat().st_mode) == 0o600
+
+    after = ResponseStore()
+    assert after.persist(tmp_path) == 2
+    assert (
+        continued(after, "a", "resp_1")
+        == whole
+        == [*asked(1), *answer(1)["output"], {"role": "user", "content": "and then?"}]
+    )
+    body = {"input": [{"type": "item_reference", "id": "msg_3"}]}
+    after.resolve("b", body)
+    assert body["input"] == answer(3)["output"]
+    with pytest.raises(NotFound):  # deleted before the restart
+        continued(after, "a", "resp_2")
+    with pytest.raises(NotFound):  # another episode's, after the restart as before
+        continued(after, "b", "resp_1")
+    after.close()
+
+
+def test_the_bound_holds_across_a_restart(tmp_path):
+    before = ResponseStore(max_responses=2)
+    before.persist(tmp_path)
+    for n in range(4):
+        before.keep("a", f"call-{n}", asked(n), answer(n))
+    before.close()
+    after = ResponseStore(max_responses=2)
+    assert after.persist(tmp_path) == 2
+    assert list(after.responses) == ["resp_2", "resp_3"]
+    with pytest.raises(NotFound):
+        continued(after, "a", "resp_1")
+
+
+def test_without_a_folder_nothing_is_written(tmp_path):
+    store = ResponseStore()
+    store.keep("a", "call-1", asked(1), answer(1))
+    store.close()
+    assert not list(tmp_path.iterdir())
