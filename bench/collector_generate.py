@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from sidecar.prefix import PrefixIndex
-from sidecar.record import CALL_SCHEMA, SCHEMA_VERSION, to_table
+from sidecar.record import CALL_SCHEMA, SCHEMA_VERSION, reward_row, to_table
 from sidecar.store import open_store
 
 T0_US = int(datetime(2026, 1, 5, 12, 0, tzinfo=UTC).timestamp() * 1e6)
@@ -80,8 +80,8 @@ def write_calls(store: str, rows: list[dict[str, Any]], name: str = "synthetic-c
 
 
 def write_rewards(store: str, rows: list[dict[str, Any]], name: str = "synthetic-rewards-0", run: str = "run-1") -> str:
-    at = datetime.fromtimestamp(T0_US / 1e6 + 3600, UTC)
-    table = to_table([{"at": at, "source": "test", **row} for row in rows], "rewards")
+    at = T0_US + 3600 * 10**6
+    table = to_table([reward_row(**{"at": at, "source": "test", **row}) for row in rows], "rewards")
     return open_store(store).write_parquet(f"rewards/run={run}/date=2026-01-05/{name}.parquet", table)
 
 
@@ -167,11 +167,8 @@ def write_bench_store(
             part = table.take(pa.array(order[i : i + calls_per_file]))
             store.write_parquet(f"calls/run=bench/date=2026-01-05/bench-calls-{n_files}.parquet", part)
             n_files += 1
-    rewards = to_table(
-        [{"episode_id": f"e{e:06d}", "reward": float(e % 2), "source": "bench",
-          "at": datetime.fromtimestamp(T0_US / 1e6 + 86400, UTC)} for e in range(episodes)],
-        "rewards",
-    )  # fmt: skip
+    at = T0_US + 86400 * 10**6
+    rewards = to_table([reward_row(f"e{e:06d}", float(e % 2), "bench", at=at) for e in range(episodes)], "rewards")
     store.write_parquet("rewards/run=bench/date=2026-01-05/bench-rewards-0.parquet", rewards)
     return {
         "calls": turns * episodes, "episodes": episodes, "files": n_files,

@@ -10,7 +10,7 @@ folder and it talks only to the sidecar on loopback.
 
 - ``codex``: ``codex exec PROMPT``, then ``codex exec resume --last NEXT``. Codex runs as in
   tests/sidecar/test_harness_codex.py: its own defaults (no model in its config), through the test-only output bound
-  (tests/sidecar/harness_output_bound.py: ``max_output_tokens`` on each request, as a harness with that setting
+  (tests/support/harness_output_bound.py: ``max_output_tokens`` on each request, as a harness with that setting
   would send).
 - ``claude-code``: ``claude -p PROMPT``, then ``claude -p --continue NEXT`` (the most recent conversation in the
   working directory). Claude Code runs as in tests/sidecar/test_harness_claude_code.py: its defaults (its own
@@ -41,7 +41,8 @@ import httpx
 
 from bench.tokens_in import forks, render_request
 from collector.sampling import plain_temperature
-from tests.sidecar.conftest import Sidecar, SidecarFactory, claude_code_env, installed_harness, read_calls, wait_for
+from tests.support.harness import claude_code_env, installed_harness
+from tests.support.sidecar import Sidecar, SidecarFactory, read_calls, wait_for
 
 PROMPTS = [
     "What does notes.txt say? Use the shell.",
@@ -122,7 +123,7 @@ def _recorded(store: str, episode: str, invocations: int) -> list[dict]:
 
 def codex_session(upstream: str, store: str, turns: int, tmp: Path, hunt: bool = True) -> Session:
     """Record one Codex conversation of at least ``turns`` calls (or as many as ``2 * turns`` invocations gave)."""
-    from tests.sidecar.test_harness_codex import codex_home, output_bound
+    from tests.support.harness import codex_home, output_bound
 
     codex = installed_harness("codex")
     factory = SidecarFactory(tmp)

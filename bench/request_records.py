@@ -15,10 +15,8 @@ both as characters per call and as zstd Parquet bytes of the column (one file ea
 import json
 import os
 import random
-import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -28,9 +26,8 @@ import click
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.fake_upstream import FakeUpstream
-from trainer.serve import free_port
+from tests.support.sidecar import SidecarFactory
 
-ROOT = Path(__file__).resolve().parent.parent
 WORDS = [
     f"{a}{b}"
     for a in ("re", "un", "pre", "sub", "over", "in", "de", "co")
@@ -153,30 +150,15 @@ def zstd_bytes(texts: list[str]) -> int:
 
 def run_session(turns: int, work: Path) -> list[dict[str, Any]]:
     """The session through a real sidecar; its calls as ``stored_requests`` gives them."""
-    store = str(work / "store")
+    factory = SidecarFactory(work)
     with FakeUpstream() as upstream:
-        port, admin = free_port(), free_port()
-        args = [str(ROOT / ".venv" / "bin" / "forge"), "sidecar", "--mode", f"reverse:{upstream.url}",
-                "--listen-port", str(port), "--upstream", upstream.url, "--store", store,
-                "--wal-dir", str(work / "wal"), "--admin-port", str(admin), "--flush-seconds", "0.3",
-                "--episode-id", "bench-episode"]  # fmt: skip
-        process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
-            deadline = time.monotonic() + 30
-            while True:
-                try:
-                    urllib.request.urlopen(f"http://127.0.0.1:{admin}/metrics", timeout=1).read()
-                    break
-                except OSError:
-                    if time.monotonic() > deadline or process.poll() is not None:
-                        raise SystemExit("forge sidecar did not start") from None
-                    time.sleep(0.1)
+            sidecar = factory(upstream.url, episode_id="bench-episode")
             for body in conversation(turns):
-                send(f"http://127.0.0.1:{port}", body)
+                send(sidecar.url, body)
         finally:
-            process.terminate()
-            process.wait(30)
-    return stored_requests(store)
+            factory.stop_all()
+    return stored_requests(sidecar.store)
 
 
 @click.command()

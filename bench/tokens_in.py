@@ -26,7 +26,7 @@ import httpx
 import pyarrow as pa
 
 from sidecar.apis.responses import normalise_request
-from tests.sidecar.conftest import SidecarFactory, read_calls
+from tests.support.sidecar import SidecarFactory, read_calls
 
 NEWLINE = 198
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import pyarrow as pa
 import torch
 
-from collector.episode import SEGMENT_SCHEMA
+from collector.episode import SCHEMA_VERSION, SEGMENT_SCHEMA, Segment
 from trainer.batch import episode_advantages, rows_from_segments
 from trainer.engine import EngineSettings, PolicyEngine, to_engine_input
 from trainer.loop import update_inputs
@@ -36,14 +36,17 @@ from trainer.serve import default_checkpoint
 DEMO = Path(__file__).resolve().parent.parent / "forge" / "demo" / "tasks"
 
 
-def segment(episode: str, group: str, ids: list[int], prompt: int, reward: float) -> dict:
+def segment(episode: str, group: str, ids: list[int], prompt: int, reward: float) -> Segment:
     n = len(ids)
     return {
-        "schema_version": 1, "episode_id": episode, "group_id": group, "segment": 0, "input_ids": ids,
+        "episode_id": episode, "task_id": None, "run_id": None, "harness": None, "status_detail": None,
+        "fork_call_id": None, "started_at": None, "finished_at": None,
+        "group_id": group, "segment": 0, "input_ids": ids,
         "loss_mask": [0] * prompt + [1] * (n - prompt),
         "behaviour_logprobs": [0.0] * prompt + [-1.0] * (n - prompt), "reward": reward,
         "policy_version_min": "0", "policy_version_max": "0", "mixed_versions": False, "n_calls": 1,
-        "n_trainable": n - prompt, "status": "complete", "fork_reason": "start", "shared_prefix_len": 0,
+        "n_trainable": n - prompt, "n_unknown_logprobs": 0, "status": "complete", "fork_reason": "start",
+        "shared_prefix_len": 0,
         "call_ids": ["c"], "call_seqs": [0], "call_prompt_ends": [prompt], "call_completion_ends": [n],
         "call_statuses": ["ok"], "call_rewards": [None], "temperature": 1.0,
     }  # fmt: skip
@@ -56,7 +59,7 @@ def segments(rows: int, tokens: int, seed: int = 0) -> pa.Table:
     for i in range(rows):
         ids = torch.randint(100, 40000, (tokens,), generator=g).tolist()
         out.append(segment(f"e{i}", f"g{i % 2}", ids, tokens // 4, float(i % 2 == 0)))
-    return pa.Table.from_pylist(out, schema=SEGMENT_SCHEMA)
+    return pa.Table.from_pylist([{"schema_version": SCHEMA_VERSION, **row} for row in out], schema=SEGMENT_SCHEMA)
 
 
 def demo_segments(tasks: int = 8, rollouts: int = 4, seed: int = 0) -> pa.Table:
@@ -80,7 +83,7 @@ def demo_segments(tasks: int = 8, rollouts: int = 4, seed: int = 0) -> pa.Table:
             n = int(torch.randint(40, 105, (1,), generator=g))
             answer = torch.randint(100, 40000, (n,), generator=g).tolist()
             out.append(segment(f"t{t}-{k}", task["id"], prompt + answer, len(prompt), float(k % 2 == 0)))
-    return pa.Table.from_pylist(out, schema=SEGMENT_SCHEMA)
+    return pa.Table.from_pylist([{"schema_version": SCHEMA_VERSION, **row} for row in out], schema=SEGMENT_SCHEMA)
 
 
 def main() -> None:

@@ -14,12 +14,20 @@ completion ids with their mask), gathered for all segments at once with numpy.
 import gc
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from collector.episode import EPISODE_SCHEMA, SCHEMA_VERSION, SEGMENT_SCHEMA
+from collector.episode import (
+    EPISODE_SCHEMA,
+    SCHEMA_VERSION,
+    SEGMENT_SCHEMA,
+    Episode,
+    EpisodeFacts,
+    SegmentHeader,
+)
 from collector.sampling import plain_temperature
 
 CALL_COLUMNS = [
@@ -267,9 +275,9 @@ def _assemble(calls: pa.Table, rewards: pa.Table | None, episode_order: pa.Array
 
     reward_of, call_reward_of = _rewards(rewards)
 
-    segment_rows: list[dict] = []
+    segment_rows: list[SegmentHeader] = []
     segment_pieces: list[list[tuple[int, int, int, int]]] = []
-    episode_rows: list[dict] = []
+    episode_rows: list[Episode] = []
     bounds = np.flatnonzero(np.array(episode_ids[1:], dtype=object) != np.array(episode_ids[:-1], dtype=object)) + 1
     for lo, hi in zip([0, *bounds.tolist()], [*bounds.tolist(), n], strict=True):
         if lo >= hi:
@@ -294,8 +302,8 @@ def _assemble(calls: pa.Table, rewards: pa.Table | None, episode_order: pa.Array
         else:
             status = "complete" if reward is not None else "no_reward"
         version_min = versions[0] if versions else None
-        episode_common = {
-            "schema_version": SCHEMA_VERSION, "episode_id": episode_id, "task_id": task_id, "run_id": run_id,
+        episode_common: EpisodeFacts = {
+            "episode_id": episode_id, "task_id": task_id, "run_id": run_id,
             "group_id": f"{run_id}/{task_id}/v{version_min}" if task_id else episode_id, "harness": harness,
             "status": status, "status_detail": detail, "reward": reward,
         }  # fmt: skip
@@ -340,7 +348,9 @@ def _assemble(calls: pa.Table, rewards: pa.Table | None, episode_order: pa.Array
         })  # fmt: skip
 
     segments = _segments_table(segment_rows, segment_pieces, suffix, completion, aligned_lp)
-    episodes = pa.Table.from_pylist(episode_rows, schema=EPISODE_SCHEMA)
+    episodes = pa.Table.from_pylist(
+        [{"schema_version": SCHEMA_VERSION, **e} for e in episode_rows], schema=EPISODE_SCHEMA
+    )
     return segments, episodes
 
 
@@ -465,7 +475,7 @@ def _max(values: Iterable[int | None]) -> int | None:
 
 
 def _segments_table(
-    rows: list[dict], pieces: list[list[tuple[int, int, int, int]]], suffix: _Flat, completion: _Flat,
+    rows: list[SegmentHeader], pieces: list[list[tuple[int, int, int, int]]], suffix: _Flat, completion: _Flat,
     aligned_lp: np.ndarray,
 ) -> pa.Table:  # fmt: skip
     """Gather every segment's ids, mask and logprobs from its pieces in one pass."""
@@ -485,7 +495,9 @@ def _segments_table(
     lps[at] = aligned_lp[_ranges(start[sampled], length[sampled])]
     piece_ends = np.cumsum(piece_counts)
     offsets = lengths_cum[np.concatenate([[0], piece_ends])].astype(np.int32)
-    columns = {name: [row[name] for row in rows] for name in SEGMENT_SCHEMA.names if name not in _TOKEN_COLUMNS}
+    plain = cast(list[dict[str, Any]], rows)
+    columns = {name: [row[name] for row in plain] for name in SegmentHeader.__annotations__}
+    columns["schema_version"] = [SCHEMA_VERSION] * len(rows)
     offsets_array = pa.array(offsets, pa.int32())
     arrays = []
     for f in SEGMENT_SCHEMA:
@@ -498,9 +510,6 @@ def _segments_table(
         else:
             arrays.append(pa.array(columns[f.name], f.type))
     return pa.Table.from_arrays(arrays, schema=SEGMENT_SCHEMA)
-
-
-_TOKEN_COLUMNS = ("input_ids", "loss_mask", "behaviour_logprobs")
 
 
 def unfinished_episodes(episodes: pa.Table, idle_seconds: float) -> pa.Array:

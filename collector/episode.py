@@ -1,4 +1,5 @@
-"""The episode / segment record: the hand-off from the collector to the trainer, as Arrow schemas.
+"""The episode / segment record: the hand-off from the collector to the trainer, as Arrow schemas and the typed
+rows (``Segment``, ``Episode``) code and tests read and build.
 
 An episode is the calls one rollout made, in order. Its calls are merged into segments: token sequences in
 which each call's prompt is the previous call's prompt + completion + a new suffix. ``input_ids`` holds the
@@ -23,6 +24,8 @@ marks an evaluation's episodes. They are collected like any other (``run_id`` in
 learns from them (``trainer.loop.select_groups`` leaves them out and counts them).
 """
 
+from typing import TypedDict
+
 import pyarrow as pa
 
 SCHEMA_VERSION = 3  # 2: n_unknown_logprobs; 3: n_version_unknown
@@ -44,15 +47,19 @@ def is_evaluation(run_id: str | None) -> bool:
 
 
 _ids = pa.list_(pa.int32())
+# The columns both tables begin with: a segment repeats its episode's.
+_EPISODE_HEAD = [
+    pa.field("schema_version", pa.int16(), nullable=False),
+    pa.field("episode_id", pa.string(), nullable=False),
+    pa.field("task_id", pa.string()),
+    pa.field("run_id", pa.string()),
+    pa.field("group_id", pa.string(), nullable=False),
+    pa.field("harness", pa.string()),
+]
 
 SEGMENT_SCHEMA = pa.schema(
     [
-        pa.field("schema_version", pa.int16(), nullable=False),
-        pa.field("episode_id", pa.string(), nullable=False),
-        pa.field("task_id", pa.string()),
-        pa.field("run_id", pa.string()),
-        pa.field("group_id", pa.string(), nullable=False),
-        pa.field("harness", pa.string()),
+        *_EPISODE_HEAD,
         pa.field("segment", pa.int32(), nullable=False),  # 0, 1, ... in order of the call that started it
         pa.field("input_ids", _ids, nullable=False),
         pa.field("loss_mask", pa.list_(pa.int8()), nullable=False),
@@ -91,12 +98,7 @@ SEGMENT_SCHEMA = pa.schema(
 
 EPISODE_SCHEMA = pa.schema(
     [
-        pa.field("schema_version", pa.int16(), nullable=False),
-        pa.field("episode_id", pa.string(), nullable=False),
-        pa.field("task_id", pa.string()),
-        pa.field("run_id", pa.string()),
-        pa.field("group_id", pa.string(), nullable=False),
-        pa.field("harness", pa.string()),
+        *_EPISODE_HEAD,
         pa.field("status", pa.string(), nullable=False),
         pa.field("status_detail", pa.string()),
         pa.field("reward", pa.float64()),
@@ -122,3 +124,73 @@ EPISODE_SCHEMA = pa.schema(
     ],
     metadata={"openforge.table": "episodes", "openforge.schema_version": str(SCHEMA_VERSION)},
 )
+
+
+class EpisodeFacts(TypedDict):
+    """The columns an episode and each of its segments share (a segment repeats its episode's)."""
+
+    episode_id: str
+    task_id: str | None
+    run_id: str | None
+    group_id: str
+    harness: str | None
+    status: str
+    status_detail: str | None
+    reward: float | None
+
+
+class SegmentHeader(EpisodeFacts):
+    """A segment but its token columns (``Segment`` adds them: the collector gathers those for all segments at once).
+    Times are microseconds since the epoch (Arrow reads them back as datetimes)."""
+
+    segment: int
+    policy_version_min: str | None
+    policy_version_max: str | None
+    mixed_versions: bool
+    n_calls: int
+    n_trainable: int
+    n_unknown_logprobs: int
+    temperature: float | None
+    fork_reason: str
+    fork_call_id: str | None
+    shared_prefix_len: int
+    call_ids: list[str]
+    call_seqs: list[int]
+    call_prompt_ends: list[int]
+    call_completion_ends: list[int]
+    call_statuses: list[str]
+    call_rewards: list[float | None]
+    started_at: int | None
+    finished_at: int | None
+
+
+class Segment(SegmentHeader):
+    """One row of ``SEGMENT_SCHEMA`` (the ``segments`` table), as the trainer reads it: a column each (a test keeps
+    the two equal; the table adds ``schema_version``)."""
+
+    input_ids: list[int]
+    loss_mask: list[int]
+    behaviour_logprobs: list[float]
+
+
+class Episode(EpisodeFacts):
+    """One row of ``EPISODE_SCHEMA`` (the ``episodes`` table): a column each (a test keeps the two equal; the table
+    adds ``schema_version``). Times are microseconds since the epoch (Arrow reads them back as datetimes)."""
+
+    n_calls: int
+    n_segments: int
+    n_merged: int
+    n_forked: int
+    n_retries: int
+    n_calls_without_ids: int
+    n_truncated: int
+    n_call_errors: int
+    n_tokens: int
+    n_trainable: int
+    n_unknown_logprobs: int
+    n_version_unknown: int
+    policy_version_min: str | None
+    policy_version_max: str | None
+    mixed_versions: bool
+    started_at: int | None
+    finished_at: int | None

@@ -187,13 +187,12 @@ def post_reward_socket(path: str, server_uid: int | None, episode_id: str, verdi
 
 def write_reward(store_uri: str, s3_endpoint: str | None, run_id: str, episode_id: str, verdict: Verdict) -> str:
     """The reward as one Parquet file in the store (the same row `forge reward` writes)."""
-    from sidecar.record import to_table
+    from sidecar.record import reward_row, to_table
     from sidecar.store import StoreError, open_store
 
-    now = datetime.now(UTC)
-    row = {"episode_id": episode_id, "call_id": None, "reward": verdict.reward, "source": "verifier", "at": now,
-           "components": list(verdict.components.items()) or None}  # fmt: skip
-    name = f"rewards/run={run_id}/date={now:%Y-%m-%d}/rollout-{uuid.uuid4().hex}.parquet"
+    row = reward_row(episode_id, verdict.reward, "verifier", components=verdict.components or None)
+    day = datetime.fromtimestamp(row["at"] / 1e6, UTC)
+    name = f"rewards/run={run_id}/date={day:%Y-%m-%d}/rollout-{uuid.uuid4().hex}.parquet"
     try:
         return str(open_store(store_uri, s3_endpoint).write_parquet(name, to_table([row], "rewards")))
     except (StoreError, OSError) as error:

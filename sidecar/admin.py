@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from sidecar.metrics import Metrics
+from sidecar.record import RewardRow, reward_row
 from sidecar.writer import RecordWriter, now_us
 
 log = logging.getLogger("openforge.sidecar")
@@ -51,7 +52,7 @@ class TokenFileError(ValueError):
     """The reward token file cannot be used (missing, empty, too short): said in one line."""
 
 
-def reward_row(payload: Any, source: str) -> dict[str, Any]:
+def payload_reward(payload: Any, source: str) -> RewardRow:
     """A reward record from a JSON payload; RewardError says what is wrong with it. ``source`` is the server's:
     a ``source`` in the payload is ignored (the caller does not choose what it is recorded as)."""
     if not isinstance(payload, dict):
@@ -71,10 +72,7 @@ def reward_row(payload: Any, source: str) -> dict[str, Any]:
     call_id = payload.get("call_id")
     if call_id is not None and not isinstance(call_id, str):
         raise RewardError("call_id must be a string")
-    return {
-        "episode_id": episode, "call_id": call_id, "reward": float(value),
-        "components": {k: float(v) for k, v in components.items()}, "source": source, "at": now_us(),
-    }  # fmt: skip
+    return reward_row(episode, value, source, call_id=call_id, components=components, at=now_us())
 
 
 def read_token_file(path: Path) -> str:
@@ -212,7 +210,7 @@ class AdminServer:
                     length = int(self.headers.get("content-length") or 0)
                     if length > 1 << 20:
                         raise RewardError("body too large")
-                    row = reward_row(json.loads(self.rfile.read(length) or b"null"), source=REWARD_SOURCE)
+                    row = payload_reward(json.loads(self.rfile.read(length) or b"null"), source=REWARD_SOURCE)
                 except (RewardError, ValueError) as error:
                     self.reply(400, {"error": str(error)})
                     return

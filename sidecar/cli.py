@@ -17,7 +17,7 @@ from forge.errors import ForgeError
 from forge.paths import repo_root
 from sidecar import ca, netinit
 from sidecar.admin import TokenFileError, read_token_file
-from sidecar.record import to_table
+from sidecar.record import reward_row, to_table
 from sidecar.replicas import UpstreamError, parse_upstreams
 from sidecar.settings import BY_NAME
 from sidecar.store import Store, StoreError, open_store
@@ -233,10 +233,9 @@ def reward_command(
                                                          "reward": value, "components": components}))  # fmt: skip
         return
     target = checked_store(store, s3_endpoint)
-    now = datetime.now(UTC)
-    row = {"episode_id": episode_id, "call_id": call_id, "reward": value, "source": source, "at": now,
-           "components": list(components.items()) or None}  # fmt: skip
-    name = f"rewards/run={run_id}/date={now:%Y-%m-%d}/cli-{uuid.uuid4().hex}.parquet"
+    row = reward_row(episode_id, value, source, call_id=call_id, components=components or None)
+    day = datetime.fromtimestamp(row["at"] / 1e6, UTC)
+    name = f"rewards/run={run_id}/date={day:%Y-%m-%d}/cli-{uuid.uuid4().hex}.parquet"
     try:
         path = target.write_parquet(name, to_table([row], "rewards"))
     except OSError as error:

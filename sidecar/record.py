@@ -1,4 +1,5 @@
-"""The call record and the reward record: the hand-off from the sidecar to the collector, as Arrow schemas.
+"""The call record and the reward record: the hand-off from the sidecar to the collector, as Arrow schemas and
+the typed rows (``CallRecord``, ``RewardRow``) code and tests build.
 
 One row per model call. Prompts are stored linearly: when a call's prompt shares a prefix with an earlier call's
 prompt + completion in the same episode, the row keeps only ``parent_call_id``, ``prefix_len`` and the ids past
@@ -11,8 +12,9 @@ Everything here is stdlib + pyarrow: it runs inside the sidecar environment and 
 import json
 import math
 import sys
+import time
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypedDict
 
 import pyarrow as pa
@@ -181,7 +183,32 @@ class CallRecord(TypedDict, total=False):
     sidecar_version: str
 
 
-def to_table(rows: list[dict[str, Any]], table: str) -> pa.Table:
+class RewardRow(TypedDict):
+    """One reward record: a column of ``REWARD_SCHEMA`` each (a test keeps the two equal; ``to_table`` adds
+    ``schema_version``). ``at`` is microseconds since the epoch (UTC)."""
+
+    episode_id: str
+    call_id: str | None
+    reward: float
+    components: dict[str, float] | None
+    source: str
+    at: int
+
+
+def reward_row(
+    episode_id: str, reward: float, source: str, call_id: str | None = None,
+    components: Mapping[str, float] | None = None, at: int | None = None,
+) -> RewardRow:  # fmt: skip
+    """The reward record every writer of rewards builds (the sidecar's admin endpoint, `forge reward`, `forge
+    verify`): ``at`` now unless given."""
+    return {
+        "episode_id": episode_id, "call_id": call_id, "reward": float(reward),
+        "components": None if components is None else {k: float(v) for k, v in components.items()},
+        "source": source, "at": time.time_ns() // 1000 if at is None else at,
+    }  # fmt: skip
+
+
+def to_table(rows: Sequence[Mapping[str, Any]], table: str) -> pa.Table:
     """Rows (dicts keyed by column) to an Arrow table of the named schema; missing columns are null."""
     schema = TABLES[table]
     return pa.Table.from_pylist([{"schema_version": SCHEMA_VERSION, **row} for row in rows], schema=schema)
@@ -270,7 +297,7 @@ def _compile_check(table: str, schema: pa.Schema) -> Callable[[Any], dict[str, A
 _CHECKS = {table: _compile_check(table, schema) for table, schema in TABLES.items()}
 
 
-def checked_row(table: str, row: CallRecord | dict[str, Any]) -> dict[str, Any]:
+def checked_row(table: str, row: Mapping[str, Any]) -> dict[str, Any]:
     """A record with every value checked and coerced to its column's type, so writing it can never fail later.
 
     Whatever a harness or an upstream sent: a value of another type is kept as its JSON text in a string column

@@ -29,9 +29,10 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from http.client import HTTPConnection, HTTPException, HTTPSConnection
 from typing import Any, NamedTuple
 from urllib.parse import ParseResult
+
+from sidecar.policy import PolicyServerClient, PolicyServerError
 
 log = logging.getLogger("openforge.sidecar")
 CONNECT_TIMEOUT_S = 10.0  # a server that does not accept a connection within this is taken as unreachable
@@ -57,6 +58,12 @@ class VersionClock:
         self.upstream = upstream
         self.port = upstream.port or (443 if upstream.scheme == "https" else 80)
         self.complete = complete  # (WAL row ids, the version after their calls) -> None
+        # The question after calls, asked from the worker thread (not the hot path: no call waits for it).
+        host = upstream.hostname or "127.0.0.1"
+        self.after_client = PolicyServerClient(
+            f"{upstream.scheme}://{f'[{host}]' if ':' in host else host}:{self.port}",
+            timeout=ANSWER_TIMEOUT_S, connect_timeout=ANSWER_TIMEOUT_S,
+        )  # fmt: skip
         self.in_flight: asyncio.Future[Asked] | None = None
         self.refused = False  # the last question found the server refusing connections (it is down)
         self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
@@ -139,7 +146,6 @@ class VersionClock:
                 self.lock.notify()
 
     def _after_loop(self) -> None:
-        connection: HTTPConnection | None = None
         while True:
             with self.lock:
                 while not self.waiting and not self.stopped:
@@ -154,18 +160,12 @@ class VersionClock:
             for _ in range(2):
                 asked_at = time.monotonic()
                 try:
-                    if connection is None:
-                        kind = HTTPSConnection if self.upstream.scheme == "https" else HTTPConnection
-                        connection = kind(self.upstream.hostname or "127.0.0.1", self.port, timeout=ANSWER_TIMEOUT_S)
-                    connection.request("GET", "/weight_info")
-                    answer = connection.getresponse()
-                    data = answer.read()
-                    version = version_text(json.loads(data)) if answer.status == 200 else None
+                    status, data = self.after_client.request("GET", "/weight_info")
+                    version = version_text(json.loads(data)) if status == 200 else None
                     self._learn(asked_at, version)
                     break
-                except (OSError, HTTPException, ValueError):
-                    connection.close() if connection else None
-                    connection = None
+                except (PolicyServerError, ValueError):
+                    pass
             try:
                 self.complete(rows, version)  # every row at once: one WAL statement per question
             except Exception as error:  # the WAL refused: the rows go on without it after their hold
@@ -176,3 +176,5 @@ class VersionClock:
             self.stopped = True
             self.lock.notify()
         self.thread.join(CONNECT_TIMEOUT_S * 2)
+        if not self.thread.is_alive():  # else it is still asking: its connection goes with the process
+            self.after_client.close()

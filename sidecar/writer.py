@@ -32,6 +32,7 @@ import time
 import zlib
 from array import array
 from collections import OrderedDict, defaultdict
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -77,7 +78,7 @@ CREATE TABLE IF NOT EXISTS episodes (episode_id TEXT PRIMARY KEY, next_seq INTEG
 _INSERT = f"INSERT INTO records (tbl, size, logged_at, fields, {', '.join(_RAW)}) VALUES ({', '.join('?' * 9)})"
 
 
-def _encode(table: str, row: dict[str, Any]) -> tuple[str, str, list[Any], int]:
+def _encode(table: str, row: Mapping[str, Any]) -> tuple[str, str, list[Any], int]:
     """A record as the WAL stores it: (table, its plain fields as JSON, the raw columns, its size in bytes)."""
     fields = {k: v for k, v in row.items() if k not in _RAW}
     text = codec.dumps_text(fields, default=str)
@@ -217,7 +218,7 @@ class RecordWriter:
             )
 
     # -- writing ----------------------------------------------------------------------------------------------
-    def append(self, table: str, row: dict[str, Any], hold: bool = False) -> int | None:
+    def append(self, table: str, row: Mapping[str, Any], hold: bool = False) -> int | None:
         """Log one record durably; its WAL row id, or None (and a metric) when the disk bound is reached: the
         record is dropped. ``hold``: a value of the record is still to come (``complete``); the row waits for it,
         at most ``HOLD_S``, before it goes into a batch."""
@@ -229,7 +230,7 @@ class RecordWriter:
             self.metrics.inc(f'records_logged_total{{table="{table}"}}')
         return row_id
 
-    def append_many(self, records: list[tuple[str, dict[str, Any], bool]]) -> list[int | Exception | None]:
+    def append_many(self, records: Sequence[tuple[str, Mapping[str, Any], bool]]) -> list[int | Exception | None]:
         """Group commit: log several records (table, row, hold) in one transaction, each as ``append`` would; per
         record its row id, None (dropped at the disk bound) or the exception that kept it out. All are committed
         when this returns, or none of a failed transaction is: then each is tried alone, so one record that cannot
@@ -260,7 +261,7 @@ class RecordWriter:
                 self.metrics.inc(f'records_logged_total{{table="{table}"}}')
         return results
 
-    def _append_or_error(self, table: str, row: dict[str, Any], hold: bool) -> int | Exception | None:
+    def _append_or_error(self, table: str, row: Mapping[str, Any], hold: bool) -> int | Exception | None:
         try:
             return self.append(table, row, hold)
         except Exception as error:

@@ -6,16 +6,17 @@ and is stopped (its whole process group) at the end of the session.
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
 from forge.errors import ForgeError
+from tests.support.policy_server import started_policy_server
+from tests.support.sidecar import SidecarFactory
 from trainer.model import PreparedModel, prepare
 from trainer.serve import PolicyServer, default_checkpoint, free_port
-
-VLLM_START_TIMEOUT_S = 300.0
 
 
 @pytest.fixture(scope="session")
@@ -44,16 +45,17 @@ def policy_server(prepared_model: PreparedModel, tmp_path_factory: pytest.TempPa
     if port := os.environ.get("FORGE_TEST_POLICY_PORT"):
         yield PolicyServer(model=default_checkpoint(), port=int(port), max_model_len=16384)
         return
-    server = PolicyServer(
-        model=default_checkpoint(), port=free_port(), max_model_len=16384,  # harness prompts run long
-        run_dir=tmp_path_factory.mktemp("vllm"), start_timeout=VLLM_START_TIMEOUT_S,
-    )  # fmt: skip
-    try:
-        server.start()
-    except ForgeError as error:
-        pytest.fail(f"the vLLM server did not start: {error}")
-    yield server
-    server.stop()
+    # harness prompts run long
+    with started_policy_server(tmp_path_factory.mktemp("vllm"), max_model_len=16384) as server:
+        yield server
+
+
+@pytest.fixture
+def start_sidecar(tmp_path: Path) -> Iterator[SidecarFactory]:
+    """Starts real sidecars (tests/support/sidecar.py) and stops them at the end of the test."""
+    factory = SidecarFactory(tmp_path)
+    yield factory
+    factory.stop_all()
 
 
 @pytest.fixture

@@ -52,6 +52,40 @@ def test_the_check_sees_a_function_level_import(tmp_path):
     assert "trainer.model" in imports_of(module)
 
 
+def imported_modules(path: Path) -> set[str]:
+    """``imports_of`` plus a test module imported by name from its package (``from tests.sidecar import conftest``)."""
+    found = imports_of(path)
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.update(f"{node.module}.{a.name}" for a in node.names if is_test_module(a.name))
+    return found
+
+
+def is_test_module(module: str) -> bool:
+    name = module.split(".")[-1]
+    return name == "conftest" or name.startswith("test_")
+
+
+def test_test_code_imports_only_its_own_folder_and_tests_support():
+    """bench/ imports no test code but tests/support (a support package, not tests); a test folder imports its own
+    modules (conftest and test modules included) and tests/support: what several folders share lives there."""
+    wrong = []
+    for path in sorted([*(ROOT / "bench").rglob("*.py"), *(ROOT / "tests").rglob("*.py")]):
+        folder = ".".join(path.relative_to(ROOT).parent.parts)
+        for module in sorted(imported_modules(path)):
+            if module.split(".")[0] != "tests" or module == "tests.support" or module.startswith("tests.support."):
+                continue
+            if folder.startswith("bench") or module.rpartition(".")[0] != folder:
+                wrong.append(f"{path.relative_to(ROOT)} imports {module}")
+    assert wrong == [], "\n".join(wrong)
+
+
+def test_the_folder_check_sees_a_conftest_imported_by_name(tmp_path):
+    module = tmp_path / "bench_thing.py"
+    module.write_text("from tests.sidecar import conftest\nfrom tests.support.sidecar import read_calls\n")
+    assert {"tests.sidecar.conftest", "tests.support.sidecar"} <= imported_modules(module)
+
+
 def module_graph(root: Path, part: str) -> dict[str, set[str]]:
     """Each module of a part and the modules of the same part it imports (function-level and TYPE_CHECKING imports
     too: a type-only import still ties two modules; ``from pkg import sub`` is the submodule ``pkg.sub``)."""

@@ -53,12 +53,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import torch
 
 from forge.errors import ForgeError
+from sidecar.policy import PolicyServerClient, PolicyServerError
 from sidecar.replicas import Resolver, UpstreamError, base_url, parse_upstreams, resolve
 from sidecar.store import Store
+from sidecar.version import version_text
 
 # The probe: fixed ids, no tokenizer at run time (SmolLM2's chat template of a short question and answer; for another
 # model only the ids' range matters: every id < 49152).
@@ -178,53 +179,43 @@ def json_value(value: Any) -> Any:
 
 
 class PolicyClient:
-    """The weight endpoints of one vLLM server (``forge serve`` starts it with them enabled)."""
+    """The weight endpoints of one vLLM server (``forge serve`` starts it with them enabled), over the policy server's
+    one HTTP client (``sidecar.policy.PolicyServerClient``)."""
 
     def __init__(self, base_url: str, timeout: float = 300.0) -> None:  # reloads stalled >120 s on a loaded box
-        self.base_url = base_url.rstrip("/").removesuffix("/v1")
-        self.http = httpx.Client(base_url=self.base_url, timeout=timeout)
+        self.http = PolicyServerClient(base_url, timeout=timeout)
+        self.base_url = self.http.base_url
 
     def _post(self, path: str, payload: dict | None = None, what: str = "") -> Any:
         try:
-            answer = self.http.post(path, json=payload)
-        except httpx.HTTPError as error:
-            raise PublishError(
-                f"the policy server at {self.base_url} is unreachable ({what or path}): {error}"
-            ) from error
-        if answer.status_code >= 400:
-            raise PublishError(
-                f"the policy server refused {what or path}: HTTP {answer.status_code} {answer.text[:200]}"
-            )
-        try:
-            return answer.json() if answer.content else None
-        except ValueError:
-            return answer.text  # the LoRA endpoints answer in plain text
+            return self.http.post(path, payload)
+        except PolicyServerError as error:
+            if error.status is None:
+                raise PublishError(
+                    f"the policy server at {self.base_url} is unreachable ({what or path}): {error.__cause__ or error}"
+                ) from error
+            raise PublishError(f"the policy server refused {what or path}: HTTP {error.status} {error.body}") from None
 
     def check(self) -> str:
         """The served model's name, or a one-line error when the server is down."""
         try:
-            answer = self.http.get("/v1/models", timeout=10)
-            answer.raise_for_status()
-            return str(answer.json()["data"][0]["id"])
-        except (httpx.HTTPError, KeyError, IndexError, ValueError) as error:
+            return str(self.http.get("/v1/models", timeout=10)["data"][0]["id"])
+        except (PolicyServerError, KeyError, IndexError, TypeError) as error:
             raise ForgeError(
                 f"no policy server answers at {self.base_url}: start one (`forge serve`) or fix --policy-url"
             ) from error
 
     def weight_version(self) -> str | None:
-        answer = self.http.get("/weight_info", timeout=10)
-        answer.raise_for_status()
-        version = answer.json().get("weight_version")
-        return None if version is None else str(version)
+        return version_text(self.http.get("/weight_info", timeout=10))
 
     def load_full(self, directory: Path) -> None:
         self._post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(directory)}},
                    what="reload_weights")  # fmt: skip
 
     def unload_adapter(self, name: str) -> None:
-        try:
-            self.http.post("/v1/unload_lora_adapter", json={"lora_name": name})  # absent the first time: ignored
-        except httpx.HTTPError as error:
+        try:  # absent the first time: its refusal is ignored
+            self.http.request("POST", "/v1/unload_lora_adapter", {"lora_name": name})
+        except PolicyServerError as error:
             raise PublishError(
                 f"the policy server at {self.base_url} is unreachable (unload adapter): {error}"
             ) from error
@@ -344,7 +335,7 @@ class PolicyReplicas:
             for url, future in futures.items():
                 try:
                     future.result()
-                except (ForgeError, httpx.HTTPError, OSError, ValueError) as error:
+                except (ForgeError, OSError, ValueError) as error:
                     failed[url] = str(error).splitlines()[0][:300]
         return failed
 
@@ -381,7 +372,7 @@ class PolicyReplicas:
     def leave_out(self, client: PolicyClient, version: int) -> None:
         """No sidecar routes to this replica any more: its version says it was left out, and matches no other's.
         Best effort: a replica that is down is left out already (and, back, serves an older version than the rest)."""
-        with contextlib.suppress(ForgeError, httpx.HTTPError):
+        with contextlib.suppress(ForgeError):
             client.set_version(LEFT_OUT.format(version=version))
 
 
@@ -391,12 +382,15 @@ def instance_ids(url: str, asks: int = INSTANCE_ASKS) -> set[str]:
     anyway, which the publish says)."""
     found: set[str] = set()
     for _ in range(asks):
+        http = PolicyServerClient(url, timeout=60)  # a new connection each time
         try:
-            with httpx.Client(base_url=url, timeout=60) as http:  # a new connection each time
-                answer = http.get("/server_info", params={"config_format": "json"}, headers={"connection": "close"})
-            config = answer.json().get("vllm_config") if answer.status_code == 200 else None
-        except (httpx.HTTPError, ValueError):
+            status, data = http.request("GET", "/server_info?config_format=json", headers={"connection": "close"})
+            answer = json.loads(data) if status == 200 else None
+            config = answer.get("vllm_config") if isinstance(answer, dict) else None
+        except (PolicyServerError, ValueError):
             return found
+        finally:
+            http.close()
         if not isinstance(config, dict) or not config.get("instance_id"):
             return found
         found.add(str(config["instance_id"]))

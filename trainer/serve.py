@@ -20,13 +20,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from forge.errors import ForgeError
 from forge.paths import cache_dir, repo_root
+from sidecar.policy import PolicyServerClient, PolicyServerError
 from trainer.model import MARKER, MODEL_NAME, prepared_model
 
 # SmolLM2's trained context. Past it vLLM needs VLLM_ALLOW_LONG_MAX_MODEL_LEN, and its rotary table must be
@@ -235,10 +234,11 @@ class PolicyServer:
 
     def ready(self) -> bool:
         try:
-            with urllib.request.urlopen(f"{self.openai_url}/models", timeout=2) as answer:
-                return bool(answer.status == 200 and json.load(answer).get("data"))
-        except (OSError, ValueError):
+            with contextlib.closing(PolicyServerClient(self.base_url, timeout=2, connect_timeout=2)) as client:
+                models = client.get("/v1/models")
+        except PolicyServerError:
             return False
+        return isinstance(models, dict) and bool(models.get("data"))
 
     @property
     def kv_cache_space(self) -> int:

@@ -11,6 +11,7 @@ import pytest
 
 from bench.collector_generate import SyntheticEpisode, lp_for
 from collector.assemble import _Episode, assemble, finalize
+from collector.episode import EPISODE_SCHEMA, SCHEMA_VERSION, SEGMENT_SCHEMA, Episode, Segment, SegmentHeader
 from sidecar.record import to_table
 
 SYSTEM = list(range(1000, 1032))  # 32 ids: longer than the sidecar's minimum shared prefix (16)
@@ -340,3 +341,17 @@ def test_a_segment_carries_the_temperature_its_calls_were_sampled_at_or_none(sam
         row["sampling"] = sampling
     segments, _ = run(episode)
     assert len(segments) == 1 and segments[0]["temperature"] == temperature
+
+
+def test_the_typed_segment_and_episode_have_exactly_the_schema_columns_and_assembly_fills_them():
+    assert set(Segment.__annotations__) == set(SEGMENT_SCHEMA.names) - {"schema_version"}
+    assert set(Episode.__annotations__) == set(EPISODE_SCHEMA.names) - {"schema_version"}
+    assert set(SegmentHeader.__annotations__) == set(Segment.__annotations__) - {
+        "input_ids", "loss_mask", "behaviour_logprobs"
+    }  # fmt: skip
+    episode = SyntheticEpisode("ep")
+    linear(episode, 2)
+    segments, episodes = assemble(to_table(episode.rows, "calls"), None)
+    assert segments.schema.equals(SEGMENT_SCHEMA) and episodes.schema.equals(EPISODE_SCHEMA)
+    assert segments["schema_version"].to_pylist() == [SCHEMA_VERSION]
+    assert episodes["schema_version"].to_pylist() == [SCHEMA_VERSION]

@@ -7,7 +7,7 @@ import openai
 import pytest
 
 from collector.collect import collect
-from tests.sidecar.conftest import read_calls, start_sidecar, wait_for  # noqa: F401 (start_sidecar: a fixture)
+from tests.support.sidecar import read_calls, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -15,7 +15,7 @@ QUESTIONS = ["Name a colour.", "Name another one.", "And a third?", "Which of th
 
 
 def test_a_linear_chat_through_the_sidecar_is_one_segment_masked_on_the_sampled_ids(
-    start_sidecar,  # noqa: F811
+    start_sidecar,
     policy_server,
     tmp_path,
 ):

@@ -1,5 +1,5 @@
 """The injected containers' own commands, run in a network namespace the test makes (root; CI runs as root): the
-pod as the kubelet would start it, with the namespace helpers of the transparent-mode tests (tests/sidecar/netns.py).
+pod as the kubelet would start it, with the namespace helpers of the transparent-mode tests (tests/support/netns.py).
 
 In start order: the CA init container's command (from a Secret written by `forge inject certs`), the net-init
 container's command (as root), the sidecar container's command (as uid 1337, its downward-API variables filled as
@@ -22,8 +22,8 @@ from bench.fake_upstream import FakeUpstream
 from k8s import inject
 from k8s.certs import write_cluster_secrets
 from k8s.settings import InjectorSettings
-from tests.sidecar.conftest import read_calls, wait_for
-from tests.sidecar.netns import CLIENT_UID, PROXY_UID, Relay, build_pod_network, closed_to_others, root_cause, sh, stop
+from tests.support.netns import CLIENT_UID, PROXY_UID, Relay, build_pod_network, closed_to_others, root_cause, sh, stop
+from tests.support.sidecar import read_calls, wait_for
 from trainer.serve import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.skipif(root_cause() is not None, reason=str(root_cause()))]

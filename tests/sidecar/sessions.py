@@ -12,8 +12,8 @@ it happens, and the episode must not fork either way. The callers teacher-force 
 import json
 
 from bench.tokens_in import render_request
-from tests.sidecar.conftest import call_table
 from tests.sidecar.test_continuation import _episode
+from tests.support.sidecar import call_table
 
 TURNS = 6  # a session is driven (bench/harness_session.py, hunt=False) until it has this many calls
 

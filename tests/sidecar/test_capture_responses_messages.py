@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from tests.sidecar.conftest import read_calls, wait_for
+from tests.support.sidecar import read_calls, wait_for
 
 pytestmark = pytest.mark.integration
 

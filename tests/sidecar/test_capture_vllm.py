@@ -7,8 +7,8 @@ from typing import Any
 import openai
 import pytest
 
-from tests.sidecar.conftest import read_calls, wait_for
-from tests.trainer.test_policy_server import TOOL_PROMPT, WEATHER_TOOL
+from tests.support.policy_server import TOOL_PROMPT, WEATHER_TOOL
+from tests.support.sidecar import read_calls, wait_for
 
 pytestmark = pytest.mark.integration
 

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from sidecar.apis import bound_completion
-from tests.sidecar.conftest import read_calls, wait_for
+from tests.support.sidecar import read_calls, wait_for
 
 ASKED = 128_000
 CASES: dict[str, tuple[str, dict[str, Any], str]] = {  # api: (path, body, the field holding the bound)

@@ -16,7 +16,7 @@ from bench.tokens_in import render_request
 from sidecar import continuation
 from sidecar.apis import bound_completion, messages, openai
 from sidecar.apis.base import Served
-from tests.sidecar.conftest import assert_sampled_by_vllm, read_calls, wait_for
+from tests.support.sidecar import assert_sampled_by_vllm, read_calls, wait_for
 
 EOT = 2
 

@@ -17,8 +17,8 @@ import pytest
 from sidecar import continuation
 from sidecar.apis import responses
 from sidecar.apis.base import Sampled, Served
-from tests.sidecar.conftest import read_calls, wait_for
 from tests.sidecar.test_continuation import NEWLINE, _episode, assert_continued_exactly
+from tests.support.sidecar import read_calls, wait_for
 
 EOT = 2
 READ_SCHEMA: dict = {"type": "object", "properties": {"path": {"type": "string"}}}

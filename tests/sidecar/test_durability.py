@@ -13,7 +13,7 @@ import pytest
 
 from sidecar.store import open_store
 from sidecar.writer import pending_records
-from tests.sidecar.conftest import read_calls, wait_for
+from tests.support.sidecar import read_calls, wait_for
 
 pytestmark = pytest.mark.integration
 

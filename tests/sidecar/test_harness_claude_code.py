@@ -22,14 +22,9 @@ import json
 
 import pytest
 
-from tests.sidecar.conftest import (
-    assert_all_sampled_by_vllm,
-    assert_harness_succeeded,
-    assert_no_secret_anywhere,
-    call_table,
-    installed_harness,
-)
 from tests.sidecar.sessions import TURNS, assert_continued_exactly
+from tests.support.harness import assert_harness_succeeded, installed_harness
+from tests.support.sidecar import assert_all_sampled_by_vllm, assert_no_secret_anywhere, call_table
 
 pytestmark = pytest.mark.integration
 MAX_OUTPUT_TOKENS = 64  # Claude Code's CLAUDE_CODE_MAX_OUTPUT_TOKENS

@@ -10,8 +10,9 @@ with no flags beyond its endpoint (and the test's own plumbing: store, WAL, admi
 
 Test-only: Codex has no setting for its answers' length, and SmolLM2-135M does not end its turn at Codex's prompt
 (each answer would run to the server's context: minutes per call on a CPU). So a separate test-only reverse proxy
-(``harness_output_bound.py``, a mitmdump script) between Codex and the sidecar adds ``max_output_tokens`` to each
-request, as a harness with that setting would; nothing else is changed, and the sidecar takes it as the harness's.
+(``tests/support/harness_output_bound.py``, a mitmdump script) between Codex and the sidecar adds
+``max_output_tokens`` to each request, as a harness with that setting would; nothing else is changed, and the sidecar
+takes it as the harness's.
 
 Codex samples (no temperature it lets us set), so the test checks exactness without replaying the sampling:
 - prompt ids: vLLM renders the recorded request again, normalised as the sidecar normalises it
@@ -22,79 +23,21 @@ Codex samples (no temperature it lets us set), so the test checks exactness with
 
 import json
 import shutil
-import subprocess
-import time
 import tomllib
-import urllib.request
-from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
 
 from sidecar.apis.responses import normalise_request
-from sidecar.cli import sidecar_python_bin
-from tests.sidecar.conftest import (
-    assert_all_sampled_by_vllm,
-    assert_harness_succeeded,
-    assert_no_secret_anywhere,
-    call_table,
-    installed_harness,
-)
 from tests.sidecar.sessions import TURNS, assert_continued_exactly
-from trainer.serve import free_port
+from tests.support.harness import OUTPUT_BOUND, assert_harness_succeeded, installed_harness
+from tests.support.sidecar import assert_all_sampled_by_vllm, assert_no_secret_anywhere, call_table
 
 pytestmark = pytest.mark.integration
-OUTPUT_BOUND = 96  # test-only (harness_output_bound.py): keeps a sampling 135M model from rambling for minutes
 
 
 @pytest.fixture(scope="module")
 def codex() -> str:
     return installed_harness("codex")
-
-
-@contextmanager
-def output_bound(sidecar_url: str, tmp_path: Path) -> Iterator[str]:
-    """The test-only bound in front of the sidecar (see the module's docstring): its URL."""
-    port = free_port()
-    log = (tmp_path / "output-bound.log").open("wb")
-    process = subprocess.Popen(
-        [str(sidecar_python_bin() / "mitmdump"), "--mode", f"reverse:{sidecar_url}", "--listen-host", "127.0.0.1",
-         "--listen-port", str(port), "-s", str(Path(__file__).with_name("harness_output_bound.py")),
-         "--set", f"output_bound={OUTPUT_BOUND}", "--set", "connection_strategy=lazy"],
-        stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                urllib.request.urlopen(f"{url}/v1/models", timeout=2).close()
-                break
-            except OSError:
-                if process.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(
-                        f"the test-only output bound did not start: {(tmp_path / 'output-bound.log').read_text()}"
-                    )
-                time.sleep(0.2)
-        yield url
-    finally:
-        process.terminate()
-        process.wait(10)
-        log.close()
-
-
-def codex_home(tmp_path: Path, sidecar_url: str) -> Path:
-    home = tmp_path / "codex-home"
-    home.mkdir()
-    (home / "config.toml").write_text(
-        'model_provider = "forge"\n\n'
-        "[model_providers.forge]\n"
-        f'name = "OpenForge sidecar"\nbase_url = "{sidecar_url}/v1"\nwire_api = "responses"\n'
-        'env_key = "OPENAI_API_KEY"\nrequest_max_retries = 0\nstream_max_retries = 0\n\n'
-        "[features]\nplugins = false\n"
-    )
-    return home
 
 
 @pytest.mark.timeout(1800)  # up to 12 invocations of Codex on a loaded 2-core vLLM

@@ -18,7 +18,7 @@ import pytest
 
 from sidecar.apis import api_for
 from sidecar.harness import detect
-from tests.sidecar.conftest import read_calls, wait_for
+from tests.support.sidecar import read_calls, wait_for
 
 GOLDEN = Path(__file__).parent / "golden"
 CASES = sorted(p.name.removesuffix(".request.json") for p in GOLDEN.glob("*.request.json"))

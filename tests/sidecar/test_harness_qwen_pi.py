@@ -15,14 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.sidecar.conftest import (
-    assert_all_sampled_by_vllm,
-    assert_harness_succeeded,
-    assert_no_secret_anywhere,
-    installed_harness,
-    read_calls,
-    wait_for,
-)
+from tests.support.harness import assert_harness_succeeded, installed_harness
+from tests.support.sidecar import assert_all_sampled_by_vllm, assert_no_secret_anywhere, read_calls, wait_for
 
 pytestmark = pytest.mark.integration
 MAX_COMPLETION_TOKENS = 32  # the rollout's response-length bound, the one OpenForge setting

@@ -11,7 +11,7 @@ import pytest
 import zstandard
 
 from bench.fake_upstream import FakeUpstream
-from tests.sidecar.conftest import read_calls, wait_for
+from tests.support.sidecar import read_calls, wait_for
 
 pytestmark = pytest.mark.integration
 CHAT = "/v1/chat/completions"

@@ -12,7 +12,7 @@ import pytest
 
 from forge.paths import repo_root
 from sidecar.redact import REDACTED
-from tests.sidecar.conftest import FORGE, assert_no_secret_anywhere, read_calls, wait_for
+from tests.support.sidecar import FORGE, assert_no_secret_anywhere, read_calls, wait_for
 
 pytestmark = pytest.mark.integration
 CHAT = "/v1/chat/completions"

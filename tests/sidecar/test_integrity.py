@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from collector.assemble import assemble
 from sidecar.store import open_store
 from sidecar.writer import pending_records
-from tests.sidecar.conftest import read_calls, wait_for
+from tests.support.sidecar import read_calls, wait_for
 
 pytestmark = pytest.mark.integration
 

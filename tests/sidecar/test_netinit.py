@@ -11,7 +11,7 @@ import pytest
 
 from forge.errors import ForgeError
 from sidecar.netinit import CHAIN, NetInit, checked, cleanup_rules, dry_run, rules
-from tests.sidecar.netns import CLIENT_UID, PROXY_UID, build_pod_network, root_cause, wait_listening
+from tests.support.netns import CLIENT_UID, PROXY_UID, build_pod_network, root_cause, wait_listening
 
 FORGE = str(Path(sys.executable).parent / "forge")
 

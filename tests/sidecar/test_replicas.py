@@ -11,12 +11,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from forge.errors import ForgeError
+from sidecar.policy import PolicyServerClient
 from sidecar.replicas import ReplicaSet, UpstreamError, parse_upstreams, rendezvous
-from tests.conftest import VLLM_START_TIMEOUT_S
-from tests.sidecar.conftest import call_table, read_calls, wait_for
+from tests.support.policy_server import started_policy_server
+from tests.support.sidecar import call_table, read_calls, wait_for
 from trainer.model import PreparedModel
-from trainer.serve import PolicyServer, default_checkpoint, free_port
+from trainer.serve import PolicyServer
 
 REPLICA_URLS = st.lists(
     st.builds("http://10.0.{}.{}:8000".format, st.integers(0, 255), st.integers(1, 254)), min_size=1, max_size=8,
@@ -223,16 +223,8 @@ def test_a_name_that_lists_no_replica_gets_the_harness_a_json_error(start_sideca
 def second_replica(prepared_model: PreparedModel, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PolicyServer]:
     """A second real vLLM (the first is the session's policy server): the one this module stops. A shorter context
     than the first's, as replicas may differ."""
-    server = PolicyServer(
-        model=default_checkpoint(), port=free_port(), max_model_len=4096, run_dir=tmp_path_factory.mktemp("vllm-b"),
-        start_timeout=VLLM_START_TIMEOUT_S,
-    )  # fmt: skip
-    try:
-        server.start()
-    except ForgeError as error:
-        pytest.fail(f"the second vLLM server did not start: {error}")
-    yield server
-    server.stop()
+    with started_policy_server(tmp_path_factory.mktemp("vllm-b"), 4096, "the second vLLM server") as server:
+        yield server
 
 
 class Conversation:
@@ -271,11 +263,11 @@ def test_an_episode_sticks_to_one_replica_and_moves_without_losing_a_call_when_i
     policy_server, second_replica, start_sidecar
 ):
     a, b = policy_server.base_url, second_replica.base_url  # b is the one stopped (a may be a shared server)
-    version_a = httpx.get(f"{a}/weight_info", timeout=30).json()["weight_version"]
+    version_a = PolicyServerClient(a, timeout=30).get("/weight_info")["weight_version"]
     # b's own label, so each record shows which replica served it — unless a (a shared server) already serves a
     # published version: a replica serving another than the newest published one is out of step and takes no call
     version_b = version_a if version_a is not None and str(version_a).isdigit() else "b-1"
-    httpx.post(f"{b}/update_weight_version", json={"new_version": version_b}, timeout=30).raise_for_status()
+    PolicyServerClient(b, timeout=30).post("/update_weight_version", {"new_version": version_b})
     upstream = f"{a},{b}"
     # Two sidecars over the same replicas, whose health poll would come too late to notice the stop: one asks each
     # call's version of its replica (the stopped replica is found by that question), the other has a fixed version

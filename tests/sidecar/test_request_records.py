@@ -10,7 +10,7 @@ import json
 import pytest
 
 from bench.request_records import conversation, send, stored_requests
-from tests.sidecar.conftest import wait_for
+from tests.support.sidecar import wait_for
 
 pytestmark = pytest.mark.integration
 TURNS = 30

@@ -20,8 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.sidecar.conftest import read_calls, wait_for
-from tests.sidecar.netns import (
+from tests.support.netns import (
     CLIENT_UID,
     HERE,
     PROXY_UID,
@@ -33,6 +32,7 @@ from tests.sidecar.netns import (
     sh,
     stop,
 )
+from tests.support.sidecar import read_calls, wait_for
 from trainer.serve import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.skipif(root_cause() is not None, reason=str(root_cause()))]

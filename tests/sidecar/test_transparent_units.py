@@ -12,7 +12,7 @@ from cryptography import x509
 from forge.errors import ForgeError
 from sidecar import ca, transparent
 from sidecar.apis.errors import error_body, error_headers
-from tests.sidecar.netns import issue, make_ca
+from tests.support.netns import issue, make_ca
 
 FORGE = str(Path(sys.executable).parent / "forge")
 HOSTS = transparent.model_host_names("api.openai.com, API.Anthropic.com ,gateway.internal:8443")

@@ -11,6 +11,7 @@ import sys
 import time
 import zlib
 from array import array
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,17 @@ from forge.paths import repo_root
 from sidecar.apis import openai
 from sidecar.metrics import Metrics
 from sidecar.prefix import PrefixIndex, common_prefix_len
-from sidecar.record import CALL_SCHEMA, CallRecord, checked_row, pack_floats, pack_ids, to_table
+from sidecar.record import (
+    CALL_SCHEMA,
+    REWARD_SCHEMA,
+    CallRecord,
+    RewardRow,
+    checked_row,
+    pack_floats,
+    pack_ids,
+    reward_row,
+    to_table,
+)
 from sidecar.redact import REDACTED, redacted_json, secrets_in_headers
 from sidecar.sse import EventFramer, parse_data, parse_event, rewrite_event
 from sidecar.store import StoreError, open_store
@@ -377,6 +388,14 @@ def test_a_version_after_the_call_that_takes_seconds_to_come_is_still_recorded(t
 
 def test_the_typed_call_record_has_exactly_the_schema_columns():
     assert set(CallRecord.__annotations__) == {f.name for f in CALL_SCHEMA} - {"schema_version"}
+
+
+def test_the_typed_reward_row_has_exactly_the_schema_columns_and_writes_as_built():
+    assert set(RewardRow.__annotations__) == {f.name for f in REWARD_SCHEMA} - {"schema_version"}
+    row = reward_row("e1", 1, "cli", call_id="c1", components={"tests": 2}, at=1_767_614_400_000_000)
+    (written,) = to_table([row], "rewards").to_pylist()
+    assert written["at"] == datetime(2026, 1, 5, 12, 0, tzinfo=UTC) and written["schema_version"] == 1
+    assert (written["reward"], written["components"], written["call_id"]) == (1.0, [("tests", 2.0)], "c1")
 
 
 def test_a_fresh_version_answer_serves_the_next_call_and_a_stale_one_is_asked_again(monkeypatch):

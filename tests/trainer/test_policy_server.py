@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.support.policy_server import TOOL_PROMPT, WEATHER_TOOL
 from trainer.serve import PolicyServer
 
 pytestmark = pytest.mark.integration
@@ -84,22 +85,6 @@ def test_completions_take_a_token_id_prompt(vllm, policy_server, tokenizer):
     # The same prompt as chat gives the same greedy tokens: token prompts are not re-tokenized.
     as_chat = chat(vllm, policy_server, messages=QUESTION, max_tokens=16, return_token_ids=True)
     assert as_chat["choices"][0]["token_ids"][:16] == choice["token_ids"]
-
-
-WEATHER_TOOL = {"type": "function", "function": {
-    "name": "get_weather", "description": "Get the weather for a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-}}  # fmt: skip
-# SmolLM2's chat template does not render tools, so the prompt spells the tool and the hermes format out.
-TOOL_PROMPT = [
-    {"role": "system", "content": 'You can call one tool: get_weather(city). To call it, answer with exactly '
-     '<tool_call>{"name": "get_weather", "arguments": {"city": CITY}}</tool_call> and nothing else.'},
-    {"role": "user", "content": "What is the weather in Paris?"},
-    {"role": "assistant",
-     "content": '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'},
-    {"role": "tool", "content": "sunny"},
-    {"role": "user", "content": "What is the weather in Berlin?"},
-]  # fmt: skip
 
 
 def test_a_tool_call_is_parsed_by_the_hermes_parser(vllm, policy_server, tokenizer):

@@ -13,14 +13,16 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from contextlib import closing
 from pathlib import Path
 
 import httpx
 import pytest
 
 from bench.trainer_publish import nudge
+from sidecar.policy import PolicyServerClient
 from sidecar.replicas import rendezvous
-from tests.sidecar.conftest import SidecarFactory, read_calls, wait_for
+from tests.support.sidecar import SidecarFactory, read_calls, wait_for
 from tests.support.sockets import relay
 from tests.trainer.recording import sample
 from trainer import teacher
@@ -80,8 +82,8 @@ def served_by(server: PolicyServer, prompt: list[int], checkpoint: Path, previou
 
 def state(server: PolicyServer) -> tuple[str, bool]:
     """(weight version, paused) of a replica."""
-    version = httpx.get(f"{server.base_url}/weight_info", timeout=60).json()["weight_version"]
-    return str(version), bool(httpx.get(f"{server.base_url}/is_paused", timeout=60).json()["is_paused"])
+    with closing(PolicyServerClient(server.base_url, timeout=60)) as client:
+        return str(client.get("/weight_info")["weight_version"]), bool(client.get("/is_paused")["is_paused"])
 
 
 def checkpoint(store: Path, version: int) -> Path:

@@ -208,7 +208,7 @@ def server_logprobs(http: httpx.Client, model: str, s: Sample) -> float:
 
 def call_through_sidecar(server, tmp_path: Path, episode: str, *extra: str) -> dict:
     """One chat call through a real sidecar with its defaults (a harness's model name), and its record."""
-    from tests.sidecar.conftest import SidecarFactory, wait_for
+    from tests.support.sidecar import SidecarFactory, wait_for
 
     (tmp_path / episode).mkdir(parents=True, exist_ok=True)
     sidecars = SidecarFactory(tmp_path / episode)
@@ -391,7 +391,7 @@ def test_resume_after_kill_9_continues_from_the_committed_step_without_retrainin
 
 def stored_calls(store: str) -> list[dict]:
     """The sidecar's call records once its first file is in the store (none yet: [])."""
-    from tests.sidecar.conftest import read_calls
+    from tests.support.sidecar import read_calls
 
     if not list(Path(store).rglob("*.parquet")):
         return []
@@ -402,7 +402,7 @@ def stored_calls(store: str) -> list[dict]:
 def test_a_call_in_flight_across_a_publish_is_frozen_then_recorded_with_both_versions(trainer, server, tmp_path):
     """The server computes nothing between the load and the new version (paused: the call is kept, not aborted),
     so the call that spans the publish ends after it and the sidecar records it as v → v+1."""
-    from tests.sidecar.conftest import SidecarFactory, wait_for
+    from tests.support.sidecar import SidecarFactory, wait_for
 
     sidecars = SidecarFactory(tmp_path)
     try:

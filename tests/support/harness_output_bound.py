@@ -7,7 +7,7 @@ this reverse proxy between Codex and the sidecar. It adds ``max_output_tokens`` 
 none — the field a harness with such a setting would send — and changes nothing else; the sidecar runs with no flags
 beyond its endpoint, and records (and serves) the bound as the harness's own.
 
-    mitmdump --mode reverse:SIDECAR_URL -s tests/sidecar/harness_output_bound.py --set output_bound=96
+    mitmdump --mode reverse:SIDECAR_URL -s tests/support/harness_output_bound.py --set output_bound=96
 """
 
 import json
