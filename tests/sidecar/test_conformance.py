@@ -27,8 +27,8 @@ import pytest
 
 from forge.paths import repo_root
 from sidecar.apis import messages
-from tests.sidecar.conftest import call_table, read_calls, wait_for
 from tests.support import sdk_schemas
+from tests.support.sidecar import call_table, read_calls, wait_for
 
 SYSTEM = (
     "You can call one tool: get_weather(city). To call it, answer with exactly "
