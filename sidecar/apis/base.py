@@ -81,6 +81,14 @@ def clear(obj: dict[str, Any], key: str, value: Any = None) -> bool:
     return False
 
 
+@dataclass
+class Prepared:
+    """What each wire API's ``Additions`` begin with: which API it is served as, and whether the harness streams."""
+
+    api: str
+    stream: bool
+
+
 class StreamState(Protocol):
     """One streamed answer being passed on: what the addon reads of it."""
 

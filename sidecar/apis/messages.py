@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sidecar.apis import openai
-from sidecar.apis.base import Sampled, compact
+from sidecar.apis.base import Prepared, Sampled, compact
 from sidecar.apis.errors import anthropic_error
 from sidecar.apis.registry import RECORDED, ROUTED, Api, Dialect, register
 from sidecar.sse import parse_event
@@ -34,9 +34,9 @@ BILLING_PREFIX = "x-anthropic-billing-header"
 
 
 @dataclass
-class Additions:
-    api: str
-    stream: bool
+class Additions(Prepared):
+    """A Messages call served as chat: what the chat request gained, and Anthropic's stop sequences."""
+
     chat: openai.Additions  # what the chat request gained (ids, logprobs, usage chunk)
     stop_sequences: list[str]
     upstream_path: str | None = CHAT_PATH

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from sidecar.apis.base import DataStream, Sampled, clear, compact, logprob, text_of
+from sidecar.apis.base import DataStream, Prepared, Sampled, clear, compact, logprob, text_of
 from sidecar.apis.errors import openai_error
 from sidecar.apis.registry import RECORDED, ROUTED, Api, Dialect, register
 from sidecar.sse import Chunk, parse_data
@@ -20,11 +20,9 @@ COMPLETIONS_PATHS = ("/v1/completions", "/completions")
 
 
 @dataclass
-class Additions:
+class Additions(Prepared):
     """What the sidecar added to a request, so it can take exactly that out of the answer."""
 
-    api: str
-    stream: bool
     harness_ids: bool  # the harness asked for return_token_ids itself
     harness_logprobs: bool
     harness_usage: bool  # streaming: the harness asked for the usage chunk

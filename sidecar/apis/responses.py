@@ -43,7 +43,7 @@ from typing import Any
 
 from sidecar import response_store
 from sidecar.apis import openai
-from sidecar.apis.base import DataStream, Sampled, clear, compact, logprob, text_of
+from sidecar.apis.base import DataStream, Prepared, Sampled, clear, compact, logprob, text_of
 from sidecar.apis.registry import ANSWERED, RECORDED, REFUSED, Api, register
 from sidecar.sse import parse_data
 
@@ -54,9 +54,9 @@ FAILED_EVENTS = ("response.failed", "error")
 
 
 @dataclass
-class Additions:
-    api: str
-    stream: bool
+class Additions(Prepared):
+    """What the sidecar added to a Responses request (vLLM's output messages, the output-text logprobs)."""
+
     harness_messages: bool  # the harness asked for enable_response_messages itself
     harness_logprobs: bool  # ... or for the output-text logprobs
     harness_top_logprobs: bool
