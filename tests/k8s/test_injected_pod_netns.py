@@ -22,7 +22,17 @@ from bench.fake_upstream import FakeUpstream
 from k8s import inject
 from k8s.certs import write_cluster_secrets
 from k8s.settings import InjectorSettings
-from tests.support.netns import CLIENT_UID, PROXY_UID, Relay, build_pod_network, closed_to_others, root_cause, sh, stop
+from tests.support.netns import (
+    CLIENT_UID,
+    PROXY_UID,
+    Relay,
+    build_pod_network,
+    closed_to_others,
+    copy_image_forge,
+    root_cause,
+    sh,
+    stop,
+)
 from tests.support.sidecar import read_calls, wait_for
 from trainer.serve import free_port
 
@@ -176,6 +186,7 @@ def readable_code(work: Path) -> Path:
         return ROOT
     code = work / "code"
     shutil.copytree(ROOT / "sidecar", code / "sidecar", ignore=shutil.ignore_patterns("__pycache__"))
+    copy_image_forge(ROOT, code)
     for path in [code, *code.rglob("*")]:
         os.chmod(path, 0o755 if path.is_dir() else 0o644)
     return code

@@ -28,6 +28,7 @@ from tests.support.netns import (
     Relay,
     build_pod_network,
     closed_to_others,
+    copy_image_forge,
     root_cause,
     sh,
     stop,
@@ -160,6 +161,7 @@ def readable_code(work: Path) -> Path:
         return root
     code = work / "code"
     shutil.copytree(root / "sidecar", code / "sidecar", ignore=shutil.ignore_patterns("__pycache__"))
+    copy_image_forge(root, code)
     (code / CLIENTS_SCRIPT).parent.mkdir(parents=True)
     shutil.copy(root / CLIENTS_SCRIPT, code / CLIENTS_SCRIPT)
     for path in [code, *code.rglob("*")]:

@@ -301,3 +301,14 @@ def is_ip(text: str) -> bool:
         return True
     except ValueError:
         return False
+
+
+# What of the `forge` package the sidecar image holds beside `sidecar/` (k8s/images/sidecar.Dockerfile).
+IMAGE_FORGE_FILES = ("__init__.py", "errors.py", "paths.py")
+
+
+def copy_image_forge(root: Path, code: Path) -> None:
+    """Copy the `forge` modules the sidecar image ships into ``code``/forge (the sidecar imports forge.errors)."""
+    (code / "forge").mkdir(parents=True, exist_ok=True)
+    for name in IMAGE_FORGE_FILES:
+        shutil.copy(root / "forge" / name, code / "forge" / name)
