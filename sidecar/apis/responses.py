@@ -285,15 +285,13 @@ def finish(added: Additions, answer: dict[str, Any]) -> tuple[Sampled, dict[str,
     return sampled, answer
 
 
-INCOMPLETE = "response.incomplete"
-
-
 class StreamState(DataStream):
     """Passes the event stream on live; takes the ids from ``response.completed`` and hides what was added.
 
     vLLM (0.32) ends every stream with ``response.completed``, an answer cut short (status ``incomplete``) too; the
-    API ends that one with ``response.incomplete`` (its own type in the stream event union), so it is renamed, its
-    ``event:`` line with it."""
+    API ends that one with ``response.incomplete``. It is passed on as vLLM sends it: pi (0.73) reads the usage and
+    the response id from ``response.completed`` only, so under a rollout's completion bound (most answers cut) it
+    would lose them (``tests/sidecar/test_harness_qwen_pi.py``). Known, and said in docs/status.md."""
 
     def __init__(self, added: Additions) -> None:
         self.added = added
@@ -303,14 +301,6 @@ class StreamState(DataStream):
         self.items: list[dict[str, Any]] = []
         self.done = False  # saw the final response event
         self.events = 0
-        self.renamed: str | None = None  # the event just renamed: its former name
-
-    def feed_event(self, raw: bytes) -> list[bytes]:
-        out = super().feed_event(raw)
-        if self.renamed is not None:
-            former, self.renamed = f"event: {self.renamed}".encode(), None
-            out = [event.replace(former, f"event: {INCOMPLETE}".encode(), 1) for event in out]
-        return out
 
     def on_event(self, data: str) -> str | None:
         self.events += 1
@@ -336,8 +326,6 @@ class StreamState(DataStream):
             changed = strip_response(response, self.added) or changed
             if self.added.keep is not None and kind in ("response.completed", "response.incomplete"):
                 self.added.keep(response)
-            if kind == "response.completed" and response.get("status") == "incomplete":
-                event["type"], self.renamed, changed = INCOMPLETE, kind, True
         if kind in FAILED_EVENTS:  # the answer ends with the upstream's failure: recorded as that, never ok
             self.sampled.upstream_error = failure_message(event)
             self.done = True

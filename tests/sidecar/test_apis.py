@@ -229,18 +229,14 @@ def test_responses_stream_hides_delta_logprobs_and_takes_ids_from_completed():
     assert sent["input_messages"] is None and sent["output"][0]["content"][0]["logprobs"] is None
 
 
-def test_responses_stream_ends_an_incomplete_answer_with_response_incomplete():
-    """vLLM ends a cut-short answer's stream with ``response.completed`` (status incomplete); the API, and the
-    stream event union, with ``response.incomplete``: renamed, its ``event:`` line with it."""
+def test_responses_stream_passes_an_incomplete_answers_last_event_on_as_vllm_sends_it():
+    """vLLM ends a cut-short answer's stream with ``response.completed`` (status incomplete); passed on so (pi reads
+    the usage from ``response.completed`` only), the ids taken from it."""
     state = responses.StreamState(responses.prepare_request("responses", {"input": "hi", "stream": True}))
     cut = {**whole_response([-1.0], [9]), "status": "incomplete", "incomplete_details": {"reason": "max_output_tokens"}}
     (out,) = state.feed_event(sse({"type": "response.completed", "response": cut}, "response.completed"))
-    assert out.startswith(b"event: response.incomplete\n") and b"response.completed" not in out
-    assert json.loads(out.split(b"data: ", 1)[1])["type"] == "response.incomplete"
+    assert out.startswith(b"event: response.completed\n")
     assert state.done and state.sampled.finish_reason == "max_output_tokens" and state.sampled.completion_ids == [9]
-    done = {"type": "response.completed", "response": whole_response([-1.0], [9])}
-    (out,) = responses.StreamState(state.added).feed_event(sse(done, "response.completed"))
-    assert out.startswith(b"event: response.completed\n")  # a completed answer keeps its name
 
 
 # -- Messages: request translation --------------------------------------------------------------------------
