@@ -10,7 +10,6 @@ token exactness of transparent mode is tested there, against real vLLM.
 """
 
 import json
-import os
 import shutil
 import sys
 import time
@@ -28,7 +27,7 @@ from tests.support.netns import (
     Relay,
     build_pod_network,
     closed_to_others,
-    copy_image_forge,
+    readable_code,
     root_cause,
     sh,
     stop,
@@ -107,7 +106,7 @@ def test_the_injected_commands_make_a_recording_pod(tmp_path):
             args[args.index("--store") + 1] = str(work / "store")
             command = json.loads(sh([FORGE, *args, "--flush-seconds", "0.3", "--print-command"]).stdout)
             command[0] = str(Path(command[0]).resolve())  # no symlink into the checkout for uid 1337
-            code = readable_code(work)
+            code = readable_code(ROOT, work)
             command[command.index("-s") + 1] = str(code / "sidecar" / "addon.py")
             downward_api = {
                 "FORGE_EPISODE_ID": "run9.add.0",
@@ -178,15 +177,3 @@ def test_the_injected_commands_make_a_recording_pod(tmp_path):
                 stop(sidecar)
             relay.close()
             net.teardown()
-
-
-def readable_code(work: Path) -> Path:
-    """The checkout when uid 1337 can enter it; else a copy of the sidecar package it runs."""
-    if closed_to_others(ROOT / "sidecar") is None:
-        return ROOT
-    code = work / "code"
-    shutil.copytree(ROOT / "sidecar", code / "sidecar", ignore=shutil.ignore_patterns("__pycache__"))
-    copy_image_forge(ROOT, code)
-    for path in [code, *code.rglob("*")]:
-        os.chmod(path, 0o755 if path.is_dir() else 0o644)
-    return code

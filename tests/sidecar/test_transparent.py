@@ -28,7 +28,7 @@ from tests.support.netns import (
     Relay,
     build_pod_network,
     closed_to_others,
-    copy_image_forge,
+    readable_code,
     root_cause,
     sh,
     stop,
@@ -140,7 +140,14 @@ def pod(policy_server) -> Iterator[TransparentPod]:
         (net.work / "node-extra.pem").write_bytes((ca_dir / "mitmproxy-ca-cert.pem").read_bytes() + internet_ca)
         net.pod.run([FORGE, "net-init", "--proxy-uid", str(PROXY_UID), "--proxy-port", str(PROXY_PORT)])
         transparent = TransparentPod(
-            net, relay, ca_dir, store, wal, home, f"http://{relay.listen[0]}:{relay.listen[1]}", readable_code(net.work)
+            net,
+            relay,
+            ca_dir,
+            store,
+            wal,
+            home,
+            f"http://{relay.listen[0]}:{relay.listen[1]}",
+            readable_code(HERE.parent.parent, net.work, [CLIENTS_SCRIPT]),
         )
         transparent.start_sidecar()
         yield transparent
@@ -151,22 +158,6 @@ def pod(policy_server) -> Iterator[TransparentPod]:
 
 
 CLIENTS_SCRIPT = Path("tests/sidecar/transparent_clients.py")  # relative to the checkout, and to its copy
-
-
-def readable_code(work: Path) -> Path:
-    """The checkout itself when every uid can enter it; else a copy of what the other uids run (CI may clone into
-    a folder only root can enter, e.g. under /root)."""
-    root = HERE.parent.parent
-    if closed_to_others(root / "sidecar") is None:
-        return root
-    code = work / "code"
-    shutil.copytree(root / "sidecar", code / "sidecar", ignore=shutil.ignore_patterns("__pycache__"))
-    copy_image_forge(root, code)
-    (code / CLIENTS_SCRIPT).parent.mkdir(parents=True)
-    shutil.copy(root / CLIENTS_SCRIPT, code / CLIENTS_SCRIPT)
-    for path in [code, *code.rglob("*")]:
-        path.chmod(0o755 if path.is_dir() else 0o644)
-    return code
 
 
 def model_body(content: str) -> dict:

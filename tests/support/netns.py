@@ -307,8 +307,20 @@ def is_ip(text: str) -> bool:
 IMAGE_FORGE_FILES = ("__init__.py", "errors.py", "paths.py")
 
 
-def copy_image_forge(root: Path, code: Path) -> None:
-    """Copy the `forge` modules the sidecar image ships into ``code``/forge (the sidecar imports forge.errors)."""
+def readable_code(root: Path, work: Path, extra: Sequence[Path] = ()) -> Path:
+    """The checkout itself when every uid can enter it; else, in ``work``/code, a copy of what the other uids run:
+    the sidecar image's code (``sidecar/`` and the `forge` modules it imports) and ``extra`` files (relative to the
+    checkout). CI may clone into a folder only root can enter."""
+    if closed_to_others(root / "sidecar") is None:
+        return root
+    code = work / "code"
+    shutil.copytree(root / "sidecar", code / "sidecar", ignore=shutil.ignore_patterns("__pycache__"))
     (code / "forge").mkdir(parents=True, exist_ok=True)
     for name in IMAGE_FORGE_FILES:
         shutil.copy(root / "forge" / name, code / "forge" / name)
+    for relative in extra:
+        (code / relative).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(root / relative, code / relative)
+    for path in [code, *code.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    return code
