@@ -74,6 +74,21 @@ class Handler(BaseHTTPRequestHandler):
     def log_message(self, *args: Any) -> None:
         pass
 
+    def handle_one_request(self) -> None:
+        """With ``keep_alive_s`` set, a kept-alive connection whose next request comes after that much idle time is
+        closed unanswered: what uvicorn (vLLM) does when its keep-alive timer fires while its busy event loop has
+        not yet read a request that arrived (the race a proxy reusing idle connections loses)."""
+        limit = self.server.keep_alive_s  # type: ignore[attr-defined]
+        answered = getattr(self, "answered_at", None)
+        if limit and answered is not None:
+            head = self.rfile.peek(1)  # type: ignore[attr-defined]  # the next request's first bytes (or the EOF)
+            if time.monotonic() - answered > limit:
+                self.server.closed_idle.append(head.split(b"\r\n", 1)[0].decode("latin-1"))  # type: ignore[attr-defined]
+                self.close_connection = True
+                return
+        super().handle_one_request()
+        self.answered_at = time.monotonic()
+
     def send_json(self, code: int, value: Any) -> None:
         data = json.dumps(value, separators=(",", ":")).encode()
         self.send_response(code)
@@ -166,9 +181,11 @@ class Server(ThreadingHTTPServer):
 
 
 class FakeUpstream:
-    def __init__(self, port: int = 0, weight_delay_s: float = 0.0) -> None:
+    def __init__(self, port: int = 0, weight_delay_s: float = 0.0, keep_alive_s: float = 0.0) -> None:
         self.server = Server(("127.0.0.1", port), Handler)
         self.server.weight_delay_s = weight_delay_s  # type: ignore[attr-defined]
+        self.server.keep_alive_s = keep_alive_s  # type: ignore[attr-defined]  # 0: kept alive for ever
+        self.server.closed_idle = []  # type: ignore[attr-defined]  # request lines closed on by keep_alive_s
         self.server.daemon_threads = True
         self.server.requests = []  # type: ignore[attr-defined]
         self.server.weight_version = "fake-1"  # type: ignore[attr-defined]
@@ -179,6 +196,12 @@ class FakeUpstream:
     def weight_questions(self) -> int:
         """How many times GET /weight_info was asked."""
         return self.server.weight_questions  # type: ignore[attr-defined]
+
+    @property
+    def closed_idle(self) -> list[str]:
+        """The request lines (as far as read) of the kept-alive connections closed unanswered because they had
+        idled past ``keep_alive_s``."""
+        return self.server.closed_idle  # type: ignore[attr-defined]
 
     @property
     def weight_version(self) -> str:

@@ -48,6 +48,7 @@ from sidecar.apis.errors import error_body, error_headers
 from sidecar.call import Call
 from sidecar.continuation import caused_by_tokens_in
 from sidecar.guard import PolicyGuard
+from sidecar.keepalive import IdleUpstreams
 from sidecar.metrics import Metrics
 from sidecar.prepare import prepare, strip_hop_secrets
 from sidecar.redact import configured_secrets, scrub_text, secrets_in_headers
@@ -76,6 +77,7 @@ class Forge:
         self.call_numbers = itertools.count()
         # The policy guard's hooks run from these (one addon for mitmproxy to dispatch to, not two).
         self.guard = PolicyGuard(self.metrics)
+        self.idle = IdleUpstreams(self.metrics)  # kept-alive policy connections, not reused once too idle
         self.settings = Settings()  # parsed from mitmproxy's options in `configure`
 
     # -- options and lifecycle ------------------------------------------------------------------------------
@@ -125,6 +127,7 @@ class Forge:
         router.tokens_in_mode = o.tokens_in
         router.policy_version = self.relay.policy_version = o.policy_version or None
         router.health_s = o.health_seconds
+        self.idle.idle_s = o.upstream_idle_seconds
         router.max_completion_tokens = o.max_completion_tokens
         threading.Thread(target=router.watch, name="forge-policy", daemon=True).start()
         self.pod_episode = os.environ.get("FORGE_EPISODE_ID") or os.environ.get("POD_UID") or None
@@ -225,6 +228,8 @@ class Forge:
             await self._request(flow)
         finally:
             await self.guard.request(flow)
+            if "forge_api" in flow.metadata:  # last, after every await: mitmproxy picks the connection next
+                self.idle.before_send(flow)
 
     async def _request(self, flow: http.HTTPFlow) -> None:
         api = flow.metadata.get("forge_api")
@@ -298,6 +303,8 @@ class Forge:
             self.relay.stream(flow, call)
 
     async def response(self, flow: http.HTTPFlow) -> None:
+        if "forge_api" in flow.metadata:  # the answer is read whole: the connection idles from now
+            self.idle.call_ended(flow)
         try:
             await self._response(flow)
         finally:
@@ -330,6 +337,11 @@ class Forge:
             self._error(flow)
         finally:
             self.guard.error(flow)
+            if "forge_api" in flow.metadata:
+                self.idle.call_ended(flow)
+
+    def client_disconnected(self, client: Any) -> None:
+        self.idle.client_gone(client.id)
 
     def _error(self, flow: http.HTTPFlow) -> None:
         call: Call | None = flow.metadata.get("forge_call")

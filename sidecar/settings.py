@@ -40,6 +40,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("upstream_refresh_seconds", float, 10.0, "How often dns+ upstreams are resolved again."),
     Option("health_seconds", float, 2.0, "How often each policy replica is asked whether it is up (a refused "
            "connection is noticed at once)."),
+    Option("upstream_idle_seconds", float, 2.0, "Open a new connection to a policy replica rather than reuse one "
+           "idle this long: under the server's keep-alive (vLLM's: 5 s), so no call races the server closing it."),
     Option("store", str, "./forge-data", "Where records go: a folder or s3://bucket/prefix."),
     Option("s3_endpoint", str, "", "S3-compatible endpoint URL (credentials from AWS_* variables)."),
     Option("wal_dir", str, "./forge-wal", "Write-ahead log folder (replayed at start)."),
@@ -83,6 +85,7 @@ class Settings:
     upstream: str = BY_NAME["upstream"].default
     upstream_refresh_seconds: float = BY_NAME["upstream_refresh_seconds"].default
     health_seconds: float = BY_NAME["health_seconds"].default
+    upstream_idle_seconds: float = BY_NAME["upstream_idle_seconds"].default
     store: str = BY_NAME["store"].default
     s3_endpoint: str = ""
     wal_dir: str = BY_NAME["wal_dir"].default
