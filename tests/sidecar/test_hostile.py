@@ -23,7 +23,8 @@ def records(sidecar, n: int) -> list[dict]:
 
 
 def still_up(sidecar) -> None:
-    answer = httpx.post(f"{sidecar.url}{CHAT}", json=BODY, timeout=30)
+    """The sidecar still serves a call (bounded: unbounded, the real model may sample until its context is full)."""
+    answer = httpx.post(f"{sidecar.url}{CHAT}", json={**BODY, "max_tokens": 8}, timeout=30)
     assert answer.status_code == 200 and sidecar.process.poll() is None
 
 
