@@ -27,8 +27,9 @@ real harness sent it, redacted, beside what the policy server receives):
   a title-generation side call with another system prompt.
 - crush: known by its user agent only (``Charm-Crush/<version>``, from its source; its npm package fetches its
   binary from GitHub at install, which this machine cannot reach: no captured request).
-- openai-agents (the OpenAI Agents SDK, Python): Responses with ``instructions`` and ``include``; ``store`` left to
-  the API's default (true), so a tool loop refers to earlier items by id (``apis.responses``).
+- openai-agents (the OpenAI Agents SDK, Python ``Agents/Python``, JavaScript ``Agents/JavaScript``): Responses with
+  ``instructions`` and ``include``; ``store`` left to the API's default (true), so a tool loop refers to earlier
+  items by id (``apis.responses``); the JavaScript SDK resends its tool calls by value.
 - the Vercel AI SDK (``ai-sdk``, a client known by its SDK): Responses by default (``openai(model)``), Chat with
   ``openai.chat``, Messages with ``@ai-sdk/anthropic`` (``max_tokens: 4096`` for an unknown model).
 """
@@ -65,7 +66,7 @@ HARNESSES = (
     Signature("pi", system=("operating inside pi, a coding agent harness",)),
     Signature("opencode", user_agents=("opencode/",), system=("You are opencode",)),
     Signature("crush", user_agents=("charm-crush/",)),
-    Signature("openai-agents", user_agents=("agents/python",)),
+    Signature("openai-agents", user_agents=("agents/python", "agents/javascript")),
 )  # fmt: skip
 SDKS = (  # (user-agent fragment, client): a client known only by its SDK
     ("litellm", "litellm"),

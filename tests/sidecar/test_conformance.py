@@ -380,4 +380,5 @@ def test_the_openai_agents_sdks_default_loop_is_served_and_recorded(start_sideca
     assert [c["response_id"] for c in calls] == [r["responseId"] for r in responses]
     assert [r["usage"]["inputTokens"] for r in responses] == [c["prompt_len"] for c in calls]
     assert [r["usage"]["outputTokens"] for r in responses] == [len(c["completion_token_ids"]) for c in calls]
+    assert {c["harness"] for c in calls} == {"openai-agents"}  # its user agent: Agents/JavaScript <version>
     assert_one_segment(calls)

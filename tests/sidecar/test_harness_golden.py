@@ -71,5 +71,7 @@ def test_the_evidence_comes_in_order_operator_harness_shape_sdk():
     assert detect("chat", mini["headers"], None, environ={}) == "openai-python"  # the user agent alone
     assert detect("chat", mini["headers"], mini["body"], environ={"FORGE_HARNESS": "my-agent"}) == "my-agent"
     assert detect("responses", {"originator": "codex_exec"}, {}, environ={}) == "codex"
+    # The OpenAI Agents SDK for JavaScript (its own user agent over the openai package's; tests/sidecar/clients/)
+    assert detect("responses", {"user-agent": "Agents/JavaScript 0.20.0"}, {"input": []}, environ={}) == "openai-agents"
     assert detect("chat", {"user-agent": "python-httpx/0.28"}, {"messages": []}, environ={}) == "other"
     assert detect("chat", {}, {"messages": "not a list"}, environ={}) is None
