@@ -97,6 +97,26 @@ def input_items(value: Any) -> list[Any]:
     return list(value) if isinstance(value, list) else []
 
 
+CALL_ITEMS = ("function_call", "custom_tool_call")
+
+
+def _arguments(value: Any) -> Any:
+    try:
+        return json.loads(value) if isinstance(value, str) else value
+    except ValueError:
+        return value
+
+
+def same_call(a: Any, b: Any) -> bool:
+    """Two tool-call items that say the same: type, call id, name and arguments (as JSON values: a client may
+    serialize them again) or input. The ids and status a client drops or adds are not compared."""
+    if not (isinstance(a, dict) and isinstance(b, dict)) or a.get("type") not in CALL_ITEMS:
+        return False
+    if any(a.get(key) != b.get(key) for key in ("type", "call_id", "name", "input")):
+        return False
+    return _arguments(a.get("arguments")) == _arguments(b.get("arguments"))
+
+
 def has_references(body: dict[str, Any]) -> bool:
     items = body.get("input")
     return bool(body.get("previous_response_id")) or (
@@ -113,6 +133,7 @@ class ResponseStore:
         self.responses: OrderedDict[str, Kept] = OrderedDict()
         self.items: dict[tuple[str, Any], Any] = {}  # (episode, item id: a str) -> the item
         self.owners: dict[tuple[str, Any], str] = {}  # (episode, output item id) -> the response that answered it
+        self.calls: dict[tuple[str, Any], str] = {}  # (episode, an output tool call's call id) -> its item id
         self.lock = threading.Lock()
         self.writes: queue.Queue[tuple[str, Kept | None] | None] | None = None  # to the disk, when persisted
         self.writer: threading.Thread | None = None
@@ -225,12 +246,28 @@ class ResponseStore:
                     if previous is None and key in self.owners:
                         continued = self.responses.get(self.owners[key])
                     item = copy.deepcopy(found)
+                elif previous is None and (owner := self._resent_call(episode, item)) is not None:
+                    continued = self.responses.get(owner)  # the tool call the answer made, resent by value
                 items.append(item)
             if previous is not None or has_references(body):
                 body["input"] = items
-            if continued is None or items[: len(continued.conversation())] != continued.conversation():
+            conversation = continued.conversation() if continued is not None else []
+            if continued is None or len(items) < len(conversation):
+                return None
+            if not all(a == b or same_call(a, b) for a, b in zip(items, conversation, strict=False)):
                 return None
             return continued.call_id
+
+    def _resent_call(self, episode: str, item: Any) -> str | None:
+        """The stored response whose output holds this tool call, when a client resends it by value (the Vercel AI
+        SDK, the Agents SDK: a function call is never sent as a reference): the same call id, name and arguments."""
+        if not isinstance(item, dict) or item.get("type") not in CALL_ITEMS or not isinstance(item.get("call_id"), str):
+            return None
+        stored_id = self.calls.get((episode, item["call_id"]))
+        stored = self.items.get((episode, stored_id)) if stored_id is not None else None
+        if stored is None or not same_call(item, stored):
+            return None
+        return self.owners.get((episode, stored_id))
 
     def keep(self, episode: str, call_id: str, sent: list[Any], response: dict[str, Any]) -> None:
         """Remember an answer served (``response`` as the harness got it) with the whole input it answered."""
@@ -261,6 +298,8 @@ class ResponseStore:
                 kept.item_ids.append(key[1])
                 if any(item is out for out in output):
                     self.owners[key] = response_id
+                    if item.get("type") in CALL_ITEMS and isinstance(item.get("call_id"), str):
+                        self.calls[(kept.episode, item["call_id"])] = key[1]
         self.responses[response_id] = kept
         dropped = []
         while len(self.responses) > self.max_responses:
@@ -271,8 +310,10 @@ class ResponseStore:
 
     def _forget(self, kept: Kept) -> None:
         for item_id in kept.item_ids:
-            self.items.pop((kept.episode, item_id), None)
+            item = self.items.pop((kept.episode, item_id), None)
             self.owners.pop((kept.episode, item_id), None)
+            if isinstance(item, dict) and self.calls.get((kept.episode, item.get("call_id"))) == item_id:
+                del self.calls[(kept.episode, item.get("call_id"))]
 
     def get(self, episode: str, response_id: str) -> dict[str, Any]:
         with self.lock:

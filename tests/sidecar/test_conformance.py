@@ -15,7 +15,6 @@ strict schemas run their tool loops through it.
    token counts equal to the records.
 """
 
-import itertools
 import json
 import shutil
 import subprocess
@@ -303,21 +302,25 @@ def run_client(command: list[str], spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def segment_breaks(calls: list[dict]) -> list[dict]:
-    """The calls where a conversation stops being one segment: a prompt that does not extend the previous call's
-    prompt and completion ids."""
+    """The calls that start a new segment: a prompt that extends no earlier call's prompt and completion ids (a
+    prompt that extends an earlier call other than the one before it is a branch the client made, not a break)."""
     breaks = []
-    for before, after in itertools.pairwise(calls):
-        previous = list(before["prompt_token_ids"]) + list(before["completion_token_ids"])
-        if list(after["prompt_token_ids"][: len(previous)]) != previous or after["parent_call_id"] != before["call_id"]:
+    for index, after in enumerate(calls[1:], start=1):
+        prompt = list(after["prompt_token_ids"])
+        sequences = [list(c["prompt_token_ids"]) + list(c["completion_token_ids"]) for c in calls[:index]]
+        if not any(prompt[: len(s)] == s for s in sequences):
             breaks.append(after)
     return breaks
 
 
 def assert_one_segment(calls: list[dict]) -> None:
-    """One segment per conversation. Known gap (xfail, said): a client that resends the model's tool call as an
-    item of its own (not by reference) makes the prompt re-render without the sampled call text (SmolLM2's template
-    renders no tool call), and tokens-in continuation (sidecar/continuation.py) finds no earlier call's text there:
-    ``rewrite``, a fork. Any other break fails."""
+    """One segment per conversation: every prompt extends an earlier call's ids exactly, nothing re-tokenized or
+    rendered anew (with ``store`` on, the AI SDK's later turn refers to the earlier turn's answer and leaves out its
+    tool call and result: its prompt extends the turn's first call, a branch). Known gap (xfail, said): a client
+    that resends the model's tool call by value with no stored response to name it (Chat, Messages, ``store``
+    off) makes the prompt re-render without the sampled call text (SmolLM2's template renders no tool call), and
+    tokens-in continuation (sidecar/continuation.py) finds no earlier call's text there: ``rewrite``, a fork. Any
+    other break fails."""
     breaks = segment_breaks(calls)
     shown = [f"seq {c['seq']}: prefix {c['prefix_len']} ({c['continuation']}: {c['note']})" for c in breaks]
     assert all(c["continuation"] == "rewrite" for c in breaks), shown
@@ -375,7 +378,9 @@ def test_the_openai_agents_sdks_default_loop_is_served_and_recorded(start_sideca
     result = run_client(command, {"baseURL": f"{sidecar.url}/v1", "episode": "agents", "system": SYSTEM,
                                   "input": [FIRST[0], assistant, FIRST[2]], "maxTurns": 4})  # fmt: skip
     responses = result["responses"]
-    assert result["toolRuns"] >= 1 and len(responses) >= 2 and result["finalOutput"], result
+    # A final answer, or every turn a tool call (SmolLM2 shown its own call text, tokens-in, calls the tool again)
+    assert result["toolRuns"] >= 1 and len(responses) >= 2, result
+    assert result.get("finalOutput") or result.get("maxTurnsExceeded"), result
     calls = assert_served_and_recorded(sidecar, "agents", len(responses))
     assert [c["response_id"] for c in calls] == [r["responseId"] for r in responses]
     assert [r["usage"]["inputTokens"] for r in responses] == [c["prompt_len"] for c in calls]

@@ -114,3 +114,19 @@ def test_the_file_stays_within_its_byte_bound(tmp_path):
         (count,) = db.execute("SELECT COUNT(*) FROM kept").fetchone()
     assert size <= 2000 and 0 < count < 20
     assert ResponseStore().persist(tmp_path) == count  # the newest ones
+
+
+def test_a_tool_call_resent_by_value_continues_the_answer_that_made_it():
+    """The Vercel AI SDK and the Agents SDK send the model's function call back by value (never as a reference):
+    the same call id, name and arguments (serialized again) still name the answer that made it."""
+    store = ResponseStore()
+    call = {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "get_weather",
+            "arguments": '{"city": "Paris"}', "status": "completed"}  # fmt: skip
+    store.keep("a", "call-1", asked(1), {"id": "resp_1", "output": [call]})
+    resent = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city":"Paris"}'}
+    result = {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}
+    assert store.resolve("a", {"input": [*asked(1), resent, result]}) == "call-1"
+    changed = {**resent, "arguments": '{"city":"Rome"}'}
+    assert store.resolve("a", {"input": [*asked(1), changed, result]}) is None  # another call: a rewrite
+    assert store.resolve("b", {"input": [*asked(1), resent, result]}) is None  # another episode's: nothing
+    assert store.resolve("a", {"input": [*asked(2), resent, result]}) is None  # another history before it

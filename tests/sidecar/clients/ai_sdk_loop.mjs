@@ -25,6 +25,9 @@ const getWeather = tool({
 const options = {
   model, system: spec.system, tools: { get_weather: getWeather },
   stopWhen: stepCountIs(spec.maxSteps), maxOutputTokens: 40, temperature: 0, maxRetries: 0,
+  // After a tool ran, the model answers (no tool): each turn ends in text, which a later turn refers to by id with
+  // `store` on (a 135M model shown its own tool call calls it again).
+  prepareStep: ({ steps }) => (steps.at(-1)?.toolResults.length ? { toolChoice: "none" } : {}),
   ...(spec.store === null ? {} : { providerOptions: { openai: { store: spec.store } } }),
 };
 async function turn(messages) {

@@ -1,7 +1,7 @@
 // The OpenAI Agents SDK's default loop (Runner over the Responses API, one function tool) against a base URL.
 // Usage: node openai_agents_loop.mjs '{"baseURL": ..., "episode": ..., "system": ..., "input": [...], "maxTurns": n}'
-// Prints one JSON line: the final output, each model answer's response id and usage, the tool's runs; exits 1 on
-// any error.
+// Prints one JSON line: the final output (or maxTurnsExceeded: the model called the tool on every turn), each model
+// answer's response id and usage, the tool's runs; exits 1 on any other error.
 import OpenAI from "openai";
 import { Agent, run, setDefaultOpenAIClient, setTracingDisabled, tool } from "@openai/agents";
 
@@ -22,13 +22,15 @@ const agent = new Agent({
   name: "weather", instructions: spec.system, model: "policy", tools: [getWeather],
   modelSettings: { temperature: 0, maxTokens: 40 },
 });
+const answers = (responses) => responses.map((r) => ({ responseId: r.responseId, usage: r.usage }));
 try {
   const result = await run(agent, spec.input, { maxTurns: spec.maxTurns });
-  console.log(JSON.stringify({
-    finalOutput: result.finalOutput, toolRuns: runs,
-    responses: result.rawResponses.map((r) => ({ responseId: r.responseId, usage: r.usage })),
-  }));
+  console.log(JSON.stringify({ finalOutput: result.finalOutput, toolRuns: runs, responses: answers(result.rawResponses) }));
 } catch (error) {
+  if (error?.name === "MaxTurnsExceededError" && error.state?._modelResponses) {  // the model kept calling the tool
+    console.log(JSON.stringify({ maxTurnsExceeded: true, toolRuns: runs, responses: answers(error.state._modelResponses) }));
+    process.exit(0);
+  }
   console.error(`${error?.name}: ${error?.message}\n${error?.stack ?? ""}`);
   process.exit(1);
 }
