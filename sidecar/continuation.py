@@ -41,8 +41,6 @@ import json
 import logging
 import os
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -52,6 +50,8 @@ from sidecar.apis.base import Sampled, Served
 from sidecar.apis.base import StreamState as BaseStreamState
 from sidecar.apis.errors import error_body, error_headers
 from sidecar.call import Call, Decision
+from sidecar.policy import PolicyServerClient, PolicyServerClients, PolicyServerError
+from sidecar.replicas import base_url as replica_url
 
 if TYPE_CHECKING:
     from mitmproxy import http
@@ -70,7 +70,8 @@ MODES = ("auto", "observe", "off")
 RENDER_PATH = "/v1/chat/completions/render"
 RESPONSES_RENDER_PATH = "/v1/responses/render"
 REUSED_IDS = "prompt_token_ids"  # vLLM's decode-side token reuse: kv_transfer_params[REUSED_IDS] is the prompt
-HTTP_TIMEOUT_S = 10.0
+HTTP_TIMEOUT_S = 10.0  # the render and detokenize questions
+FALL_BACK_TIMEOUT_S = 600.0  # the normal path asked again: a whole answer
 TOKENS_IN_FAULTS = frozenset({400, 404, 413, 422})  # answers the prompt ids may cause (too long, refused)
 MAX_CANDIDATES = 2  # earlier calls whose text is compared (each costs two /detokenize calls)
 DECODE_BACKOFF = 8  # decode from a few ids before the divergence: never start inside a multi-byte character
@@ -182,10 +183,6 @@ class ReusedIdsStream:
         return self.added.check(self.inner.sampled)
 
     @property
-    def events(self) -> int:
-        return self.inner.events
-
-    @property
     def gather_error(self) -> str | None:  # the Messages module's: ids it could not gather
         return getattr(self.inner, "gather_error", None)
 
@@ -202,15 +199,6 @@ def reused_ids_request(body: dict[str, Any], prompt: list[int]) -> dict[str, Any
 
 
 # -- the work around a call --------------------------------------------------------------------------------------
-def _post(url: str, payload: dict[str, Any], timeout: float = HTTP_TIMEOUT_S) -> Any:
-    headers = {"content-type": "application/json"}
-    if key := os.environ.get("FORGE_UPSTREAM_API_KEY"):  # the policy server's key, as the addon sends it
-        headers["authorization"] = f"Bearer {key}"
-    request = urllib.request.Request(url, data=json.dumps(payload).encode(), method="POST", headers=headers)
-    with urllib.request.urlopen(request, timeout=timeout) as answer:
-        return json.load(answer)
-
-
 # Responses input items that carry what the model produced (a message of the assistant, a tool call, reasoning).
 _ANSWER_ITEMS = frozenset({"function_call", "custom_tool_call", "reasoning", "local_shell_call", "mcp_call"})
 
@@ -235,9 +223,17 @@ class Continuations:
         self.mode = mode
         self.base_url = base_url.rstrip("/")
         self.end_of_turn: dict[str, int] = {}  # per served model: the id the template closes a turn with
+        # Kept-alive clients of the replica, one per call at work at once (a call's questions are made in turn).
+        self.http = PolicyServerClients(self.base_url, HTTP_TIMEOUT_S, HTTP_TIMEOUT_S)
+
+    def close(self) -> None:
+        self.http.close()
 
     async def _call(self, path: str, payload: dict[str, Any]) -> Any:
-        return await asyncio.to_thread(_post, self.base_url + path, payload)
+        headers = {}
+        if key := os.environ.get("FORGE_UPSTREAM_API_KEY"):  # the policy server's key, as the addon sends it
+            headers["authorization"] = f"Bearer {key}"
+        return await asyncio.to_thread(self.http.post, path, payload, HTTP_TIMEOUT_S, headers)
 
     async def _end_of_turn(self, model: str) -> int:
         """The first id the template adds when it closes an assistant turn (rendered once per model)."""
@@ -385,23 +381,28 @@ class Continuations:
         call.added = decision.inner_added
         flow.request.path = decision.original_path
         flow.request.content = decision.original_body
-        url = f"{flow.request.scheme}://{flow.request.host}:{flow.request.port}{decision.original_path}"
+        origin = replica_url(flow.request.scheme, flow.request.host, flow.request.port)
         headers = {"content-type": "application/json"}
         if authorization := flow.request.headers.get("authorization"):  # the upstream's key, as the addon set it
             headers["authorization"] = authorization
 
-        def ask() -> tuple[int, bytes, str]:
-            request = urllib.request.Request(url, data=decision.original_body, method="POST", headers=headers)
-            try:
-                with urllib.request.urlopen(request, timeout=600) as answer:
-                    return answer.status, answer.read(), answer.headers.get("content-type", "")
-            except urllib.error.HTTPError as error:
-                return error.code, error.read(), error.headers.get("content-type", "")
+        def ask() -> tuple[int, bytes, str]:  # an HTTP error is the normal path's answer too: passed on as it is
+            sent = ("POST", decision.original_path, decision.original_body, FALL_BACK_TIMEOUT_S, headers)
+            if origin == self.base_url:
+                status, answer_headers, content = self.http.exchange(*sent)
+            else:  # the flow's replica is not this one's (never expected): a client of its own
+                client = PolicyServerClient(origin, FALL_BACK_TIMEOUT_S, HTTP_TIMEOUT_S)
+                try:
+                    status, answer_headers, content = client.exchange(*sent)
+                finally:
+                    client.close()
+            return status, content, answer_headers.get("content-type", "")
 
         try:
             status, content, kind = await asyncio.to_thread(ask)
-        except OSError as error:  # refused, timed out: the harness gets its API's 502, never tokens-in's answer
-            call.error = f"tokens-in failed and the normal path could not be reached ({type(error).__name__})"
+        except PolicyServerError as error:  # refused, timed out: the harness gets its API's 502, never tokens-in's
+            cause = error.__cause__ or error
+            call.error = f"tokens-in failed and the normal path could not be reached ({type(cause).__name__})"
             message = "The policy server is unavailable; the call was recorded as failed."
             flow.response = http.Response.make(
                 502, error_body(call.api, 502, message, "policy_unavailable"), error_headers(call.api)

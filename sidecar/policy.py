@@ -1,5 +1,6 @@
 """The policy server: which of its models is the policy under training, its context (read from its model list), and
-one client for its HTTP API (``PolicyServerClient``) that the sidecar, the trainer and the tests share.
+one client for its HTTP API (``PolicyServerClient``; ``PolicyServerClients`` for callers in several threads) that
+the sidecar, the trainer and the tests share.
 
 The policy is one served name (``forge train`` prints it: ``forge-<run>`` with LoRA, the server's model with full
 weights). A sidecar told it (``--policy-model``) serves every harness call by it; one not told takes the name the
@@ -8,7 +9,9 @@ server announces.
 
 import json
 import threading
-from http.client import HTTPConnection, HTTPException, HTTPSConnection, RemoteDisconnected
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.client import HTTPConnection, HTTPException, HTTPMessage, HTTPSConnection, RemoteDisconnected
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -48,7 +51,7 @@ class PolicyServerError(ForgeError):
 class PolicyServerClient:
     """The policy server's HTTP API (vLLM's OpenAI routes and its admin routes: ``/weight_info``, ``/pause``, ...)
     over one kept-alive connection. Stdlib only: it runs in the sidecar's environment as in the trainer's. One
-    request at a time (a lock): share it between threads, or give a busy thread its own.
+    request at a time (a lock): threads that ask at once take theirs from a ``PolicyServerClients``.
 
     ``connect_timeout`` bounds reaching the server; ``timeout`` (per request, or the client's) bounds the answer.
     A kept-alive connection the server closed meanwhile (uvicorn closes idle ones after 5 s) is replaced once,
@@ -73,6 +76,15 @@ class PolicyServerClient:
         """(HTTP status, body) of one request (``payload`` sent as JSON); PolicyServerError when there is none."""
         body = None if payload is None else json.dumps(payload).encode()
         sent = {"content-type": "application/json"} if body is not None else {}
+        status, _, data = self.exchange(method, path, body, timeout, {**sent, **(headers or {})})
+        return status, data
+
+    def exchange(
+        self, method: str, path: str, body: bytes | None = None, timeout: float | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> tuple[int, HTTPMessage, bytes]:  # fmt: skip
+        """(HTTP status, headers, body) of one request sending ``body`` as it is: an HTTP error is an answer like
+        any other (a caller passes it on); PolicyServerError only when there is none."""
         with self._lock:
             for attempt in range(2):
                 reused = self._connection is not None
@@ -80,12 +92,12 @@ class PolicyServerClient:
                     connection = self._connect()
                     if connection.sock is not None:  # connected within connect_timeout; the answer has its own
                         connection.sock.settimeout(self.timeout if timeout is None else timeout)
-                    connection.request(method, self.prefix + path, body, {**sent, **(headers or {})})
+                    connection.request(method, self.prefix + path, body, headers or {})
                     answer = connection.getresponse()
                     data = answer.read()
                     if answer.will_close:
                         self.close_locked()
-                    return answer.status, data
+                    return answer.status, answer.headers, data
                 except (OSError, HTTPException) as error:
                     self.close_locked()
                     stale = isinstance(error, RemoteDisconnected | BrokenPipeError | ConnectionResetError)
@@ -102,10 +114,12 @@ class PolicyServerClient:
         """The JSON answer to ``GET path``; PolicyServerError for an HTTP error or an answer that is not JSON."""
         return self._json(path, *self.request("GET", path, timeout=timeout))
 
-    def post(self, path: str, payload: object = None, timeout: float | None = None) -> Any:
+    def post(
+        self, path: str, payload: object = None, timeout: float | None = None, headers: dict[str, str] | None = None
+    ) -> Any:
         """The answer to ``POST path``: its JSON, its text when it is not JSON (vLLM's LoRA routes answer in plain
         text), None when empty; PolicyServerError for an HTTP error."""
-        status, data = self.request("POST", path, payload, timeout)
+        status, data = self.request("POST", path, payload, timeout, headers)
         if status >= 400:
             raise self._refused(path, status, data)
         if not data:
@@ -143,3 +157,54 @@ class PolicyServerClient:
     def close(self) -> None:
         with self._lock:
             self.close_locked()
+
+
+class PolicyServerClients:
+    """Kept-alive clients of one policy server for callers in several threads (the health poll, each call's
+    tokens-in work): a request takes an idle client, or a new one, and gives it back, so concurrent callers never
+    wait for each other and the next request reuses a warm connection. At most ``keep`` idle ones are kept."""
+
+    def __init__(self, base_url: str, timeout: float = 300.0, connect_timeout: float = 10.0, keep: int = 8) -> None:
+        self.base_url, self.timeout, self.connect_timeout, self.keep = base_url, timeout, connect_timeout, keep
+        self._idle: list[PolicyServerClient] = []
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def client(self) -> Iterator[PolicyServerClient]:
+        """A client of this caller's own for a few requests in turn; idle again after."""
+        with self._lock:
+            client = self._idle.pop() if self._idle else None
+        if client is None:
+            client = PolicyServerClient(self.base_url, self.timeout, self.connect_timeout)
+        try:
+            yield client
+        finally:
+            with self._lock:
+                kept = len(self._idle) < self.keep
+                if kept:
+                    self._idle.append(client)
+            if not kept:
+                client.close()
+
+    def exchange(
+        self, method: str, path: str, body: bytes | None = None, timeout: float | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> tuple[int, HTTPMessage, bytes]:  # fmt: skip
+        with self.client() as client:
+            return client.exchange(method, path, body, timeout, headers)
+
+    def get(self, path: str, timeout: float | None = None) -> Any:
+        with self.client() as client:
+            return client.get(path, timeout)
+
+    def post(
+        self, path: str, payload: object = None, timeout: float | None = None, headers: dict[str, str] | None = None
+    ) -> Any:
+        with self.client() as client:
+            return client.post(path, payload, timeout, headers)
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for client in idle:
+            client.close()

@@ -8,7 +8,6 @@ import json
 import logging
 import threading
 import time
-import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -20,13 +19,14 @@ from sidecar import apis, codec
 from sidecar.call import Call
 from sidecar.continuation import Continuations
 from sidecar.metrics import Metrics
-from sidecar.policy import announced_policy, policy_context
+from sidecar.policy import PolicyServerClients, announced_policy, policy_context
 from sidecar.replicas import Replica, ReplicaSet, Route, parse_upstreams
 from sidecar.version import Asked, VersionClock, version_text
 from sidecar.writer import RecordWriter
 
 log = logging.getLogger("openforge.sidecar")
 CONTEXT_RETRY_S = 10.0  # how often calls may ask a policy server that did not say its context (max_model_len)
+MODELS_TIMEOUT_S = 2.0  # the model list (served name, context): a replica that does not answer it is down
 VERSION_POLL_TIMEOUT_S = 5.0  # the health poll's version question (answered between two engine steps)
 PROBE_TIMEOUT_S = 2.0  # a replica that does not accept a connection within this is taken as down
 
@@ -47,6 +47,7 @@ class Router:
         self.health_s = 2.0
         self.max_completion_tokens = 0
         self.continuations: dict[str, Continuations] = {}  # per replica URL
+        self.clients: dict[str, PolicyServerClients] = {}  # per replica URL: the health poll's kept-alive clients
         self.versions: dict[str, VersionClock] = {}  # per replica URL: asks its weight version around each call
         self.context_asked: dict[str, float] = {}  # replica URL -> when a call last asked its context
         # Model calls routed but not yet connected, by (client connection, replica address): `server_connect` finds
@@ -58,11 +59,22 @@ class Router:
         self.stop.set()
         for clock in self.versions.values():
             clock.stop()
+        for clients in self.clients.values():
+            clients.close()
+        for continuations in self.continuations.values():
+            continuations.close()
+
+    def clients_for(self, replica: Replica) -> PolicyServerClients:
+        """A replica's clients for the health poll and a call's context question: kept alive across polls, one
+        per concurrent question (the poll threads, calls asking a context) so none waits for another."""
+        # setdefault: poll threads may ask at once; a pool opens no connection until it is used
+        return self.clients.setdefault(
+            replica.url, PolicyServerClients(replica.url, MODELS_TIMEOUT_S, MODELS_TIMEOUT_S)
+        )
 
     def ask_models(self, replica: Replica) -> None:
         """The policy's served name (unless given) and a replica's context, from its model list."""
-        with urllib.request.urlopen(f"{replica.url}/v1/models", timeout=2) as answer:
-            listed = json.load(answer)["data"]
+        listed = self.clients_for(replica).get("/v1/models", MODELS_TIMEOUT_S)["data"]
         if not self.policy_model_fixed:
             announced = announced_policy(listed, self.policy_model)
             if announced != self.policy_model:
@@ -106,7 +118,9 @@ class Router:
         for url in [url for url in self.versions if url not in known]:
             self.versions.pop(url).stop()
         for url in [url for url in self.continuations if url not in known]:
-            del self.continuations[url]
+            self.continuations.pop(url).close()
+        for url in [url for url in self.clients if url not in known]:
+            self.clients.pop(url).close()
         for url in [url for url in self.context_asked if url not in known]:
             del self.context_asked[url]
         for url in self.replicas.gone:
@@ -116,14 +130,14 @@ class Router:
     def poll(self, replica: Replica) -> str | None:
         try:
             self.ask_models(replica)
-        except Exception as error:
-            return f"{type(error).__name__}: {getattr(error, 'reason', error)}"
+        except Exception as error:  # unreachable, timed out: what the client met; an HTTP error: the client's own
+            cause = error.__cause__ if isinstance(error.__cause__, OSError) else error
+            return f"{type(cause).__name__}: {cause}"
         if len(self.replicas.all()) > 1:  # whether it is in step with the others (ReplicaSet.judge_step)
             try:
-                with urllib.request.urlopen(f"{replica.url}/is_paused", timeout=VERSION_POLL_TIMEOUT_S) as answer:
-                    replica.paused = bool(json.load(answer).get("is_paused"))
-                with urllib.request.urlopen(f"{replica.url}/weight_info", timeout=VERSION_POLL_TIMEOUT_S) as answer:
-                    replica.version = version_text(json.load(answer))
+                clients = self.clients_for(replica)
+                replica.paused = bool(clients.get("/is_paused", VERSION_POLL_TIMEOUT_S).get("is_paused"))
+                replica.version = version_text(clients.get("/weight_info", VERSION_POLL_TIMEOUT_S))
             except Exception:  # a busy engine answers late: its step is judged at a later poll
                 replica.paused = True  # not judged now
         return None

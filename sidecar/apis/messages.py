@@ -293,10 +293,6 @@ class StreamState:
             sampled.response_id = message_id(sampled.response_id)
         return sampled
 
-    @property
-    def events(self) -> int:
-        return self.chat.events
-
     def feed_event(self, raw: bytes) -> list[bytes]:
         parsed = parse_event(raw)
         if not parsed.data:

@@ -113,7 +113,6 @@ class StreamState(DataStream):
         self.text: list[str] = []
         self.tool_calls: dict[int, dict[str, Any]] = {}
         self.done = False  # saw [DONE]
-        self.events = 0
 
     def on_event(self, data: str) -> str | None:
         """One SSE ``data:`` payload in; the payload to send on (None: drop the event)."""
@@ -121,7 +120,6 @@ class StreamState(DataStream):
 
     def on_chunk(self, parsed: Chunk) -> str | None:
         """``on_event`` for a payload already read (``sse.parse_data``)."""
-        self.events += 1
         data, chunk = parsed.data or "", parsed.payload
         if parsed.done:
             self.done = True

@@ -300,10 +300,8 @@ class StreamState(DataStream):
         self.logprobs: list[float] = []
         self.items: list[dict[str, Any]] = []
         self.done = False  # saw the final response event
-        self.events = 0
 
     def on_event(self, data: str) -> str | None:
-        self.events += 1
         event = parse_data(data).payload
         if event is None:
             return data

@@ -17,6 +17,7 @@ import sys
 import tempfile
 import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -227,15 +228,18 @@ def closed_port() -> int:
         return int(probe.getsockname()[1])
 
 
-async def tokens_in_call(forge: Forge, answer_status: int) -> http.HTTPFlow:
-    """A chat call as if served tokens-in, its answer an error, the policy server then gone."""
+async def tokens_in_call(forge: Forge, answer_status: int, port: int | None = None) -> http.HTTPFlow:
+    """A chat call as if served tokens-in, its answer an error; the policy server then gone, or the replica at
+    ``port`` (the call's own: asked again by its replica's kept-alive clients)."""
     body = {"model": "gpt-x", "messages": [{"role": "user", "content": "hi"}]}
     flow = await model_call(forge, "chat", json.dumps(body).encode(), http.Headers(content_type="application/json"))
     call = flow.metadata["forge_call"]
     original = flow.request.content or b""
     call.continuation = Decision("tokens_in", original_path=flow.request.path, original_body=original,
                                  inner_added=call.added)  # fmt: skip
-    flow.request.path, flow.request.port = "/v1/completions", closed_port()
+    if port is not None:
+        call.replica = ReplicaSet(parse_upstreams(f"http://127.0.0.1:{port}")).all()[0]
+    flow.request.path, flow.request.port = "/v1/completions", port or closed_port()
     flow.response = tutils.tresp(status_code=answer_status, headers=http.Headers(content_type="application/json"),
                                  content=b'{"error":{"message":"from the tokens-in path"}}')  # fmt: skip
     forge.responseheaders(flow)
@@ -255,6 +259,45 @@ async def tokens_in_fallback_unreachable(forge: Forge, writer: RecordWriter) -> 
         (record,) = records_of(writer, call.call_id)
         assert record["http_status"] == expected and record["status"] in ("error", "upstream_error"), record
         assert call.call_id not in forge.relay.in_flight, "the call is still in flight"
+
+
+class Busy(BaseHTTPRequestHandler):
+    """A policy server whose normal path answers an HTTP error (what it was asked is kept)."""
+
+    protocol_version = "HTTP/1.1"
+    server: Any
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def do_POST(self) -> None:
+        self.server.asked.append((self.path, self.rfile.read(int(self.headers.get("content-length", 0)))))
+        body = b'{"error":{"message":"busy"}}'
+        self.send_response(503)
+        self.send_header("content-type", "application/json; charset=utf-8")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+async def tokens_in_fallback_http_error(forge: Forge, writer: RecordWriter) -> None:
+    """Issue 22, item 5: the normal path asked again (through the policy server client) answers an HTTP error: the
+    harness gets that answer as it is (status, body, content type), recorded."""
+    server: Any = ThreadingHTTPServer(("127.0.0.1", 0), Busy)
+    server.asked = []
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        flow = await tokens_in_call(forge, 400, server.server_address[1])
+    finally:
+        server.shutdown()
+        server.server_close()
+    call = flow.metadata["forge_call"]
+    assert server.asked == [(call.continuation.original_path, call.continuation.original_body)], server.asked
+    assert flow.response is not None and flow.response.status_code == 503, flow.response
+    assert flow.response.content == b'{"error":{"message":"busy"}}'
+    assert flow.response.headers["content-type"] == "application/json; charset=utf-8"
+    (record,) = records_of(writer, call.call_id)
+    assert record["http_status"] == 503, record
 
 
 async def replica_move_bounds_again(forge: Forge, writer: RecordWriter) -> None:
@@ -318,6 +361,7 @@ async def replicas_that_leave_dns_are_forgotten(forge: Forge, writer: RecordWrit
 CASES = {
     "replicas-that-leave-dns-are-forgotten": replicas_that_leave_dns_are_forgotten,
     "tokens-in-fallback-unreachable": tokens_in_fallback_unreachable,
+    "tokens-in-fallback-http-error": tokens_in_fallback_http_error,
     "replica-move-bounds-again": replica_move_bounds_again,
 }
 

@@ -48,6 +48,10 @@ def test_a_tokens_in_call_whose_fallback_cannot_reach_the_server_gets_a_502_and_
     in_sidecar_env(tmp_path, "tokens-in-fallback-unreachable")
 
 
+def test_a_tokens_in_call_whose_normal_path_answers_an_http_error_passes_that_answer_on(tmp_path):
+    in_sidecar_env(tmp_path, "tokens-in-fallback-http-error")
+
+
 def test_a_call_moved_to_a_replica_with_a_smaller_context_is_bounded_again(tmp_path):
     in_sidecar_env(tmp_path, "replica-move-bounds-again")
 

@@ -1,5 +1,6 @@
 """The policy server's one HTTP client (sidecar.policy.PolicyServerClient) against a stand-in server: keep-alive,
-a connection the server closed meanwhile, timeouts, and errors that say what happened."""
+a connection the server closed meanwhile, timeouts, errors that say what happened, a raw exchange that passes an
+HTTP error on, and the clients several threads share (PolicyServerClients)."""
 
 import json
 import threading
@@ -9,7 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from sidecar.policy import PolicyServerClient, PolicyServerError
+from sidecar.policy import PolicyServerClient, PolicyServerClients, PolicyServerError
 from trainer.serve import free_port
 
 
@@ -51,8 +52,8 @@ class Handler(BaseHTTPRequestHandler):
         self.server.seen.append(("GET", self.path, b""))
         if self.path == "/weight_info":
             self.answer(200, b'{"weight_version": "7"}')
-        elif self.path == "/slow":
-            time.sleep(2)
+        elif self.path.startswith("/slow"):
+            time.sleep(float(self.path.partition("?")[2] or 2))
             self.answer(200, b"{}")
         else:
             self.answer(404, b'{"detail": "Not Found"}')
@@ -116,3 +117,29 @@ def test_a_server_that_does_not_answer_in_time_or_is_not_there_is_one_error_with
     with pytest.raises(PolicyServerError, match="is unreachable") as down:
         PolicyServerClient(f"http://127.0.0.1:{free_port()}").get("/weight_info")
     assert down.value.status is None
+
+
+def test_an_exchange_sends_the_body_as_it_is_and_gives_an_http_error_as_an_answer(stand_in):
+    client = PolicyServerClient(stand_in.url)
+    status, headers, body = client.exchange("POST", "/v1/chat/completions", b'{"a": 1}', 5, {"x-k": "v"})
+    assert (status, headers.get("content-type"), body) == (400, "application/json", b'{"error": "no such adapter"}')
+    assert stand_in.seen[-1] == ("POST", "/v1/chat/completions", b'{"a": 1}')
+    status, headers, body = client.exchange("POST", "/v1/load_lora_adapter", b"{}")
+    assert (status, headers.get("content-type")) == (200, "text/plain") and stand_in.connections == 1
+    client.close()
+
+
+def test_clients_of_several_threads_do_not_wait_for_each_other_and_stay_alive(stand_in):
+    clients = PolicyServerClients(stand_in.url, timeout=5)
+    started = time.monotonic()
+    threads = [threading.Thread(target=clients.get, args=("/slow?0.5",)) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert time.monotonic() - started < 1.5  # four at once, not one after another (2 s)
+    assert stand_in.connections == 4
+    for _ in range(3):
+        assert clients.get("/weight_info") == {"weight_version": "7"}  # on one of the four kept connections
+    assert stand_in.connections == 4
+    clients.close()
