@@ -39,7 +39,6 @@ served normally: ``observe`` mode, or a fallback), ``rewrite`` (the text differs
 import asyncio
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -50,7 +49,7 @@ from sidecar.apis.base import Sampled, Served
 from sidecar.apis.base import StreamState as BaseStreamState
 from sidecar.apis.errors import error_body, error_headers
 from sidecar.call import Call, Decision
-from sidecar.policy import PolicyServerClient, PolicyServerClients, PolicyServerError
+from sidecar.policy import PolicyServerClient, PolicyServerClients, PolicyServerError, upstream_headers
 from sidecar.replicas import base_url as replica_url
 
 if TYPE_CHECKING:
@@ -224,16 +223,13 @@ class Continuations:
         self.base_url = base_url.rstrip("/")
         self.end_of_turn: dict[str, int] = {}  # per served model: the id the template closes a turn with
         # Kept-alive clients of the replica, one per call at work at once (a call's questions are made in turn).
-        self.http = PolicyServerClients(self.base_url, HTTP_TIMEOUT_S, HTTP_TIMEOUT_S)
+        self.http = PolicyServerClients(self.base_url, HTTP_TIMEOUT_S, HTTP_TIMEOUT_S, headers=upstream_headers())
 
     def close(self) -> None:
         self.http.close()
 
     async def _call(self, path: str, payload: dict[str, Any]) -> Any:
-        headers = {}
-        if key := os.environ.get("FORGE_UPSTREAM_API_KEY"):  # the policy server's key, as the addon sends it
-            headers["authorization"] = f"Bearer {key}"
-        return await asyncio.to_thread(self.http.post, path, payload, HTTP_TIMEOUT_S, headers)
+        return await asyncio.to_thread(self.http.post, path, payload, HTTP_TIMEOUT_S)
 
     async def _end_of_turn(self, model: str) -> int:
         """The first id the template adds when it closes an assistant turn (rendered once per model)."""

@@ -13,6 +13,9 @@ server to close.
 mitmproxy has no hook to choose the upstream connection: its HTTP layer reuses any open connection of the client's
 connection to the same address. A connection whose read side is closed is not reused ("at least half-closed
 already, we want a new one"), so marking it so retires it; when the server then closes it mitmproxy closes it too.
+A retired connection stays open until the server closes it (vLLM: 5 s idle), so this assumes a policy server that
+closes idle connections, as uvicorn does; against one that never does, each pause of a long-lived client connection
+would leave one open until the client's connection ends.
 """
 
 import time

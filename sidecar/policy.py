@@ -8,6 +8,7 @@ server announces.
 """
 
 import json
+import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -39,6 +40,13 @@ def policy_context(listed: list[dict[str, Any]], policy: str | None) -> int | No
     return None
 
 
+def upstream_headers() -> dict[str, str]:
+    """What the sidecar sends the policy server with each request of its own: the server's key
+    (``FORGE_UPSTREAM_API_KEY``, as the addon sends it with each call), or nothing."""
+    key = os.environ.get("FORGE_UPSTREAM_API_KEY")
+    return {"authorization": f"Bearer {key}"} if key else {}
+
+
 class PolicyServerError(ForgeError):
     """The policy server could not be reached or did not answer in time (``status`` None), or answered an HTTP
     error (``status``, and the start of its ``body``)."""
@@ -57,8 +65,12 @@ class PolicyServerClient:
     A kept-alive connection the server closed meanwhile (uvicorn closes idle ones after 5 s) is replaced once,
     silently; any other failure is a ``PolicyServerError`` that names the server and what went wrong."""
 
-    def __init__(self, base_url: str, timeout: float = 300.0, connect_timeout: float = 10.0) -> None:
+    def __init__(
+        self, base_url: str, timeout: float = 300.0, connect_timeout: float = 10.0,
+        headers: dict[str, str] | None = None,
+    ) -> None:  # fmt: skip
         self.base_url = base_url.rstrip("/").removesuffix("/v1")
+        self.headers = dict(headers or {})  # sent with every request (the server's key: ``upstream_headers``)
         parts = urlsplit(self.base_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise PolicyServerError(f"{base_url} is not a policy server URL (http://HOST:PORT)")
@@ -87,13 +99,14 @@ class PolicyServerClient:
         any other (a caller passes it on); PolicyServerError only when there is none."""
         with self._lock:
             for attempt in range(2):
-                reused = self._connection is not None
+                reused, answered = self._connection is not None, False
                 try:
                     connection = self._connect()
                     if connection.sock is not None:  # connected within connect_timeout; the answer has its own
                         connection.sock.settimeout(self.timeout if timeout is None else timeout)
-                    connection.request(method, self.prefix + path, body, headers or {})
+                    connection.request(method, self.prefix + path, body, {**self.headers, **(headers or {})})
                     answer = connection.getresponse()
+                    answered = True
                     data = answer.read()
                     if answer.will_close:
                         self.close_locked()
@@ -101,7 +114,9 @@ class PolicyServerClient:
                 except (OSError, HTTPException) as error:
                     self.close_locked()
                     stale = isinstance(error, RemoteDisconnected | BrokenPipeError | ConnectionResetError)
-                    if attempt == 0 and reused and stale:
+                    # Asked again only when no answer began: a server that had begun one ran the request (a
+                    # generation must not run twice)
+                    if attempt == 0 and reused and stale and not answered:
                         continue  # the server closed the kept-alive connection meanwhile: once more on a new one
                     what = "did not answer in time" if isinstance(error, TimeoutError) else "is unreachable"
                     raise PolicyServerError(
@@ -164,8 +179,12 @@ class PolicyServerClients:
     tokens-in work): a request takes an idle client, or a new one, and gives it back, so concurrent callers never
     wait for each other and the next request reuses a warm connection. At most ``keep`` idle ones are kept."""
 
-    def __init__(self, base_url: str, timeout: float = 300.0, connect_timeout: float = 10.0, keep: int = 8) -> None:
+    def __init__(
+        self, base_url: str, timeout: float = 300.0, connect_timeout: float = 10.0, keep: int = 8,
+        headers: dict[str, str] | None = None,
+    ) -> None:  # fmt: skip
         self.base_url, self.timeout, self.connect_timeout, self.keep = base_url, timeout, connect_timeout, keep
+        self.headers = headers
         self._idle: list[PolicyServerClient] = []
         self._lock = threading.Lock()
 
@@ -175,7 +194,7 @@ class PolicyServerClients:
         with self._lock:
             client = self._idle.pop() if self._idle else None
         if client is None:
-            client = PolicyServerClient(self.base_url, self.timeout, self.connect_timeout)
+            client = PolicyServerClient(self.base_url, self.timeout, self.connect_timeout, self.headers)
         try:
             yield client
         finally:

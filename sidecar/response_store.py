@@ -103,7 +103,7 @@ CALL_ITEMS = ("function_call", "custom_tool_call")
 def _arguments(value: Any) -> Any:
     try:
         return json.loads(value) if isinstance(value, str) else value
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth: compared as the text
         return value
 
 
@@ -312,8 +312,9 @@ class ResponseStore:
         for item_id in kept.item_ids:
             item = self.items.pop((kept.episode, item_id), None)
             self.owners.pop((kept.episode, item_id), None)
-            if isinstance(item, dict) and self.calls.get((kept.episode, item.get("call_id"))) == item_id:
-                del self.calls[(kept.episode, item.get("call_id"))]
+            call_id = item.get("call_id") if isinstance(item, dict) else None  # any JSON a client sent: a str only
+            if isinstance(call_id, str) and self.calls.get((kept.episode, call_id)) == item_id:
+                del self.calls[(kept.episode, call_id)]
 
     def get(self, episode: str, response_id: str) -> dict[str, Any]:
         with self.lock:

@@ -19,7 +19,7 @@ from sidecar import apis, codec
 from sidecar.call import Call
 from sidecar.continuation import Continuations
 from sidecar.metrics import Metrics
-from sidecar.policy import PolicyServerClients, announced_policy, policy_context
+from sidecar.policy import PolicyServerClients, announced_policy, policy_context, upstream_headers
 from sidecar.replicas import Replica, ReplicaSet, Route, parse_upstreams
 from sidecar.version import Asked, VersionClock, version_text
 from sidecar.writer import RecordWriter
@@ -69,7 +69,8 @@ class Router:
         per concurrent question (the poll threads, calls asking a context) so none waits for another."""
         # setdefault: poll threads may ask at once; a pool opens no connection until it is used
         return self.clients.setdefault(
-            replica.url, PolicyServerClients(replica.url, MODELS_TIMEOUT_S, MODELS_TIMEOUT_S)
+            replica.url,
+            PolicyServerClients(replica.url, MODELS_TIMEOUT_S, MODELS_TIMEOUT_S, headers=upstream_headers()),
         )
 
     def ask_models(self, replica: Replica) -> None:

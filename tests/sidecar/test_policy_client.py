@@ -3,6 +3,8 @@ a connection the server closed meanwhile, timeouts, errors that say what happene
 HTTP error on, and the clients several threads share (PolicyServerClients)."""
 
 import json
+import socket
+import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -61,7 +63,16 @@ class Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         body = self.rfile.read(int(self.headers.get("content-length", 0)))
         self.server.seen.append(("POST", self.path, body))
-        if self.path == "/v1/load_lora_adapter":
+        if self.path == "/v1/completions" and len(self.server.seen) > 1:  # began to answer, then the server died
+            self.send_response(200)
+            self.send_header("content-length", "100")
+            self.end_headers()
+            self.wfile.write(b'{"choi')
+            self.wfile.flush()
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self.connection.close()  # a reset mid-answer
+            self.close_connection = True
+        elif self.path == "/v1/load_lora_adapter":
             self.answer(200, b"Success: LoRA adapter loaded.", "text/plain")
         elif self.path == "/resume":
             self.answer(200, b"")
@@ -143,3 +154,32 @@ def test_clients_of_several_threads_do_not_wait_for_each_other_and_stay_alive(st
         assert clients.get("/weight_info") == {"weight_version": "7"}  # on one of the four kept connections
     assert stand_in.connections == 4
     clients.close()
+
+
+def test_a_request_whose_answer_began_is_not_sent_again(stand_in):
+    """A kept-alive connection the server reset *after* it began to answer ran the request: a generation must not
+    run twice (only a connection closed before any answer is replaced and the request sent again)."""
+    client = PolicyServerClient(stand_in.url)
+    assert client.get("/weight_info") == {"weight_version": "7"}  # the connection is now a reused one
+    with pytest.raises(PolicyServerError, match="unreachable"):
+        client.post("/v1/completions", {"prompt": [1], "max_tokens": 8})
+    assert [seen[1] for seen in stand_in.seen] == ["/weight_info", "/v1/completions"]
+    client.close()
+
+
+def test_the_servers_key_goes_with_every_request_of_a_pool(stand_in, monkeypatch):
+    from sidecar.policy import upstream_headers
+
+    seen: list[str | None] = []
+    original = Handler.do_GET
+
+    def remember(handler: Handler) -> None:
+        seen.append(handler.headers.get("authorization"))
+        original(handler)
+
+    monkeypatch.setattr(Handler, "do_GET", remember)
+    monkeypatch.setenv("FORGE_UPSTREAM_API_KEY", "policy-key")
+    pool = PolicyServerClients(stand_in.url, headers=upstream_headers())
+    assert pool.get("/weight_info") == {"weight_version": "7"}
+    assert seen == ["Bearer policy-key"]  # the health poll's questions too (vLLM --api-key answers 401 without)
+    pool.close()

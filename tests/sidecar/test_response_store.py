@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from sidecar.response_store import DB_FILE, NotFound, ResponseStore
+from sidecar.response_store import DB_FILE, NotFound, ResponseStore, same_call
 
 
 def answer(n: int) -> dict:
@@ -130,3 +130,15 @@ def test_a_tool_call_resent_by_value_continues_the_answer_that_made_it():
     assert store.resolve("a", {"input": [*asked(1), changed, result]}) is None  # another call: a rewrite
     assert store.resolve("b", {"input": [*asked(1), resent, result]}) is None  # another episode's: nothing
     assert store.resolve("a", {"input": [*asked(2), resent, result]}) is None  # another history before it
+
+
+def test_an_odd_call_id_or_deeply_nested_arguments_break_nothing():
+    """Any JSON a client sends: a call id that is an object (kept with its item, then dropped) and arguments nested
+    past the JSON parser's depth are compared, never raised on (a raise dropped another call's record)."""
+    store = ResponseStore(max_responses=1)
+    odd = {"type": "message", "role": "user", "content": "hi", "id": "m1", "call_id": {"x": 1}}
+    store.keep("agent", "c1", [odd], {"id": "resp_1", "output": []})
+    store.keep("other", "c2", [], {"id": "resp_2", "output": []})  # drops the first: no TypeError
+    nested = "[" * 100_000
+    call = {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": nested}
+    assert same_call(call, dict(call)) and not same_call(call, {**call, "arguments": "[]"})
