@@ -3,7 +3,9 @@ ids asked, stored Responses resolved) and what its record says of the request, p
 is applied (``addon.Forge._begin``), so that a failure half way never sends a half-prepared call."""
 
 import json
+import logging
 import os
+from typing import Any
 
 from mitmproxy import http
 
@@ -15,6 +17,8 @@ from sidecar.redact import redacted_text, secrets_in_body
 from sidecar.replicas import Replica
 from sidecar.response_store import ResponseStore, input_items
 from sidecar.routing import Router
+
+log = logging.getLogger("openforge.sidecar")
 
 HOP_SECRETS = ("authorization", "x-api-key", "api-key")  # the policy server needs none of the harness's keys
 _STRIPPED = tuple(name.encode() for name in (identity.EPISODE_HEADER, identity.TASK_HEADER, *HOP_SECRETS))
@@ -68,7 +72,15 @@ metrics: Metrics,
         return None
     if isinstance(added, apis.responses.Additions) and body.get("store") is not False:
         sent, kept = input_items(body.get("input")), stored
-        added.keep = lambda answer: kept.keep(call.episode_id, call.call_id, sent, answer)
+
+        def keep(answer: dict[str, Any]) -> None:  # never the call's failure: its answer and record go on
+            try:
+                kept.keep(call.episode_id, call.call_id, sent, answer)
+            except Exception as error:  # the answer cannot be referred to later (404 then)
+                metrics.inc("responses_not_kept_total")
+                log.error("a Responses answer was not kept (%s: %s)", type(error).__name__, error)
+
+        added.keep = keep
     prepared = (added.upstream_path or apis.spec(api).upstream_path(flow.request.path), codec.dumps(body))
     sampling = json.dumps({k: body[k] for k in SAMPLING_KEYS if k in body}, sort_keys=True)
     call.bound, call.module, call.added, call.sampling = bound, module, added, sampling  # last: nothing fails after
