@@ -3,6 +3,7 @@ and paused state), an episode's sticky route, a call moved off a replica that re
 served name and the requested-name map, and the per-replica clients (the version clock, tokens-in)."""
 
 import asyncio
+import contextlib
 import fnmatch
 import json
 import logging
@@ -19,7 +20,7 @@ from sidecar import apis, codec
 from sidecar.call import Call
 from sidecar.continuation import Continuations
 from sidecar.metrics import Metrics
-from sidecar.policy import PolicyServerClients, announced_policy, policy_context, upstream_headers
+from sidecar.policy import PolicyServerClient, announced_policy, policy_context, upstream_headers
 from sidecar.replicas import Replica, ReplicaSet, Route, parse_upstreams
 from sidecar.version import Asked, VersionClock, version_text
 from sidecar.writer import RecordWriter
@@ -47,7 +48,6 @@ class Router:
         self.health_s = 2.0
         self.max_completion_tokens = 0
         self.continuations: dict[str, Continuations] = {}  # per replica URL
-        self.clients: dict[str, PolicyServerClients] = {}  # per replica URL: the health poll's kept-alive clients
         self.versions: dict[str, VersionClock] = {}  # per replica URL: asks its weight version around each call
         self.context_asked: dict[str, float] = {}  # replica URL -> when a call last asked its context
         # Model calls routed but not yet connected, by (client connection, replica address): `server_connect` finds
@@ -59,23 +59,23 @@ class Router:
         self.stop.set()
         for clock in self.versions.values():
             clock.stop()
-        for clients in self.clients.values():
-            clients.close()
         for continuations in self.continuations.values():
             continuations.close()
 
-    def clients_for(self, replica: Replica) -> PolicyServerClients:
-        """A replica's clients for the health poll and a call's context question: kept alive across polls, one
-        per concurrent question (the poll threads, calls asking a context) so none waits for another."""
-        # setdefault: poll threads may ask at once; a pool opens no connection until it is used
-        return self.clients.setdefault(
-            replica.url,
-            PolicyServerClients(replica.url, MODELS_TIMEOUT_S, MODELS_TIMEOUT_S, headers=upstream_headers()),
-        )
+    @staticmethod
+    def client_for(replica: Replica) -> PolicyServerClient:
+        """A client for one round of questions to a replica, on a connection of its own, closed after: the poll asks
+        whether the replica takes *new* connections, as each harness call needs one, not whether a kept-alive one
+        still works (a replica taken out of a Service keeps its open connections for a while)."""
+        return PolicyServerClient(replica.url, MODELS_TIMEOUT_S, MODELS_TIMEOUT_S, headers=upstream_headers())
 
-    def ask_models(self, replica: Replica) -> None:
+    def ask_models(self, replica: Replica, client: PolicyServerClient | None = None) -> None:
         """The policy's served name (unless given) and a replica's context, from its model list."""
-        listed = self.clients_for(replica).get("/v1/models", MODELS_TIMEOUT_S)["data"]
+        if client is None:
+            with contextlib.closing(self.client_for(replica)) as own:
+                listed = own.get("/v1/models", MODELS_TIMEOUT_S)["data"]
+        else:
+            listed = client.get("/v1/models", MODELS_TIMEOUT_S)["data"]
         if not self.policy_model_fixed:
             announced = announced_policy(listed, self.policy_model)
             if announced != self.policy_model:
@@ -120,8 +120,6 @@ class Router:
             self.versions.pop(url).stop()
         for url in [url for url in self.continuations if url not in known]:
             self.continuations.pop(url).close()
-        for url in [url for url in self.clients if url not in known]:
-            self.clients.pop(url).close()
         for url in [url for url in self.context_asked if url not in known]:
             del self.context_asked[url]
         for url in self.replicas.gone:
@@ -129,18 +127,18 @@ class Router:
             self.metrics.remove(f'replica_out_of_step{{replica="{url}"}}')
 
     def poll(self, replica: Replica) -> str | None:
-        try:
-            self.ask_models(replica)
-        except Exception as error:  # unreachable, timed out: what the client met; an HTTP error: the client's own
-            cause = error.__cause__ if isinstance(error.__cause__, OSError) else error
-            return f"{type(cause).__name__}: {cause}"
-        if len(self.replicas.all()) > 1:  # whether it is in step with the others (ReplicaSet.judge_step)
+        with contextlib.closing(self.client_for(replica)) as client:
             try:
-                clients = self.clients_for(replica)
-                replica.paused = bool(clients.get("/is_paused", VERSION_POLL_TIMEOUT_S).get("is_paused"))
-                replica.version = version_text(clients.get("/weight_info", VERSION_POLL_TIMEOUT_S))
-            except Exception:  # a busy engine answers late: its step is judged at a later poll
-                replica.paused = True  # not judged now
+                self.ask_models(replica, client)
+            except Exception as error:  # unreachable, timed out: what the client met; an HTTP error: its own
+                cause = error.__cause__ if isinstance(error.__cause__, OSError) else error
+                return f"{type(cause).__name__}: {cause}"
+            if len(self.replicas.all()) > 1:  # whether it is in step with the others (ReplicaSet.judge_step)
+                try:
+                    replica.paused = bool(client.get("/is_paused", VERSION_POLL_TIMEOUT_S).get("is_paused"))
+                    replica.version = version_text(client.get("/weight_info", VERSION_POLL_TIMEOUT_S))
+                except Exception:  # a busy engine answers late: its step is judged at a later poll
+                    replica.paused = True  # not judged now
         return None
 
     def judge_step(self) -> None:
