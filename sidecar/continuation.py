@@ -378,16 +378,14 @@ class Continuations:
         flow.request.path = decision.original_path
         flow.request.content = decision.original_body
         origin = replica_url(flow.request.scheme, flow.request.host, flow.request.port)
-        headers = {"content-type": "application/json"}
-        if authorization := flow.request.headers.get("authorization"):  # the upstream's key, as the addon set it
-            headers["authorization"] = authorization
+        headers = {"content-type": "application/json"}  # and the server's key: each client sends it
 
         def ask() -> tuple[int, bytes, str]:  # an HTTP error is the normal path's answer too: passed on as it is
             sent = ("POST", decision.original_path, decision.original_body, FALL_BACK_TIMEOUT_S, headers)
             if origin == self.base_url:
                 status, answer_headers, content = self.http.exchange(*sent)
             else:  # the flow's replica is not this one's (never expected): a client of its own
-                client = PolicyServerClient(origin, FALL_BACK_TIMEOUT_S, HTTP_TIMEOUT_S)
+                client = PolicyServerClient(origin, FALL_BACK_TIMEOUT_S, HTTP_TIMEOUT_S, upstream_headers())
                 try:
                     status, answer_headers, content = client.exchange(*sent)
                 finally:

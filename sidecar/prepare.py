@@ -4,7 +4,6 @@ is applied (``addon.Forge._begin``), so that a failure half way never sends a ha
 
 import json
 import logging
-import os
 from typing import Any
 
 from mitmproxy import http
@@ -12,6 +11,7 @@ from mitmproxy import http
 from sidecar import apis, codec, harness, identity
 from sidecar.call import Call
 from sidecar.metrics import Metrics
+from sidecar.policy import upstream_headers
 from sidecar.record import SAMPLING_KEYS
 from sidecar.redact import redacted_text, secrets_in_body
 from sidecar.replicas import Replica
@@ -93,5 +93,4 @@ def strip_hop_secrets(flow: http.HTTPFlow) -> None:
     for name in _STRIPPED:
         if name in present:
             flow.request.headers.pop(name.decode(), None)
-    if key := os.environ.get("FORGE_UPSTREAM_API_KEY"):
-        flow.request.headers["authorization"] = f"Bearer {key}"
+    flow.request.headers.update(upstream_headers())

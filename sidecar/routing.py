@@ -69,13 +69,9 @@ class Router:
         still works (a replica taken out of a Service keeps its open connections for a while)."""
         return PolicyServerClient(replica.url, MODELS_TIMEOUT_S, MODELS_TIMEOUT_S, headers=upstream_headers())
 
-    def ask_models(self, replica: Replica, client: PolicyServerClient | None = None) -> None:
+    def ask_models(self, replica: Replica, client: PolicyServerClient) -> None:
         """The policy's served name (unless given) and a replica's context, from its model list."""
-        if client is None:
-            with contextlib.closing(self.client_for(replica)) as own:
-                listed = own.get("/v1/models", MODELS_TIMEOUT_S)["data"]
-        else:
-            listed = client.get("/v1/models", MODELS_TIMEOUT_S)["data"]
+        listed = client.get("/v1/models", MODELS_TIMEOUT_S)["data"]
         if not self.policy_model_fixed:
             announced = announced_policy(listed, self.policy_model)
             if announced != self.policy_model:
@@ -89,7 +85,8 @@ class Router:
 
     async def learn_context(self, replica: Replica) -> None:
         try:
-            await asyncio.to_thread(self.ask_models, replica)
+            with contextlib.closing(self.client_for(replica)) as client:
+                await asyncio.to_thread(self.ask_models, replica, client)
         except Exception as error:  # the call goes on bounded by --max-completion-tokens only; the poller retries
             log.warning("the context of %s is not known yet (%s)", replica.url, type(error).__name__)
 
