@@ -47,6 +47,7 @@ from sidecar.admin import DEFAULT_TOKEN_FILE, AdminServer, TokenFileError, creat
 from sidecar.apis.errors import error_body, error_headers
 from sidecar.call import Call
 from sidecar.continuation import caused_by_tokens_in
+from sidecar.dispatch import plan_dispatch
 from sidecar.guard import PolicyGuard
 from sidecar.keepalive import IdleUpstreams
 from sidecar.metrics import Metrics
@@ -83,6 +84,7 @@ class Forge:
     # -- options and lifecycle ------------------------------------------------------------------------------
 
     def load(self, loader: Any) -> None:
+        plan_dispatch(loader.master.addons)  # each hook to the addons that have it, found once (sidecar/dispatch.py)
         for option in OPTIONS:  # declared once (sidecar/settings.py), shared with `forge sidecar`'s options
             loader.add_option(f"forge_{option.name}", option.mitmproxy_type, option.mitmproxy_default, option.help,
                               choices=option.choices)  # fmt: skip
@@ -370,11 +372,10 @@ class Forge:
     # -- the call's beginning --------------------------------------------------------------------------------
 
     def _model_api(self, flow: http.HTTPFlow) -> str | None:
-        mode = flow.client_conn.proxy_mode
-        reverse = type(mode).__name__ == "ReverseMode"
-        host = (flow.request.pretty_host or "").lower()
-        if not reverse and host not in self.model_hosts and f"{host}:{flow.request.port}" not in self.model_hosts:
-            return None
+        if type(flow.client_conn.proxy_mode).__name__ != "ReverseMode":  # reverse mode: every call is to the model
+            host = (flow.request.pretty_host or "").lower()
+            if host not in self.model_hosts and f"{host}:{flow.request.port}" not in self.model_hosts:
+                return None
         return apis.api_for(flow.request.method, flow.request.path)
 
     def _identity(self, flow: http.HTTPFlow, headers: dict[str, str]) -> tuple[str, str | None, str]:

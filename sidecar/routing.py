@@ -201,10 +201,10 @@ class Router:
             tried.append(replica.url)
 
     def route(self, flow: http.HTTPFlow, replica: Replica) -> None:
-        flow.request.scheme = replica.scheme
-        flow.request.host = replica.host
-        flow.request.port = replica.port
-        flow.request.headers["host"] = replica.netloc
+        request = flow.request
+        if (request.scheme, request.host, request.port) != (replica.scheme, replica.host, replica.port):
+            request.scheme, request.host, request.port = replica.scheme, replica.host, replica.port
+        request.headers["host"] = replica.netloc
         self.connecting.setdefault((flow.client_conn.id, (replica.host, replica.port)), []).append(flow)
 
     def connected(self, flow: http.HTTPFlow) -> None:
