@@ -6,7 +6,11 @@ none of a flow's hooks. Profiled under the sidecar's load (64 clients), that wal
 per call. ``plan_dispatch`` keeps, per hook name, the callables that walk would find — the same addons, in the same
 order, each top-level addon's children under its own ``safecall`` as before, ``AddonHalt`` still stopping the
 rest — and calls just those. The plan is dropped whenever the chain changes (``add``, ``register``, ``remove``,
-``clear``: a script reloaded goes through ``remove`` and ``register``).
+``clear``: a script reloaded goes through ``remove`` and ``register``) and whenever options change (mitmproxy's
+script loader reorders its scripts on a ``scripts`` change without either).
+
+The rule this adds: an addon binds its hooks when it loads and never swaps a hook attribute afterwards (none of
+mitmproxy's or ours does); an event already under way when the chain changes finishes on the plan it began with.
 """
 
 import inspect
@@ -38,6 +42,12 @@ def plan_dispatch(manager: addonmanager.AddonManager) -> None:
     for name in ("add", "register", "remove", "clear"):
         setattr(manager, name, dropping_plans(getattr(manager, name)))
 
+    def options_changed(updated: set[str]) -> None:
+        plans.clear()
+
+    manager.forge_options_changed = options_changed  # mitmproxy's signals hold their receivers weakly
+    manager.master.options.changed.connect(options_changed)
+
     def plan(event: hooks.Hook) -> Plan:
         found = []
         for top in manager.chain:
@@ -51,7 +61,7 @@ def plan_dispatch(manager: addonmanager.AddonManager) -> None:
         if planned is None:
             try:
                 planned = plan(event)
-            except exceptions.AddonManagerError:  # an addon attribute named as a hook is not callable: as before
+            except Exception:  # e.g. an addon attribute named as a hook is not callable: mitmproxy's own logs it
                 await searched(event)
                 return
         if not planned:

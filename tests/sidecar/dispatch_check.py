@@ -70,10 +70,16 @@ async def run(planned: bool) -> list[str]:
     calls.clear()
     for event in events():
         await m.addons.trigger_event(event)
-    # The chain changes (an addon added, one removed, a child list replaced and registered as a script reload
-    # does): the next events reach what the chain holds now.
+    # The chain changes (an addon added, one removed): the next events reach what the chain holds now.
     m.addons.add(Seen("late", halt=("response",)), Seen("after-halt"))
     m.addons.remove(first)
+    for event in events():
+        await m.addons.trigger_event(event)
+    # A child list reordered without register/remove (mitmproxy's script loader does so on a `scripts` option
+    # change): the options change drops the plan.
+    parent = next(a for a in m.addons.chain if getattr(a, "name", "") == "parent")
+    parent.addons.reverse()
+    m.options.update(listen_port=8181)
     for event in events():
         await m.addons.trigger_event(event)
     return list(calls)
@@ -83,7 +89,8 @@ async def main() -> None:
     searched, planned = await run(False), await run(True)
     assert searched == planned, f"mitmproxy's dispatch {searched}\nplanned dispatch {planned}"
     assert "after-halt.response" not in planned and "late.response" in planned, planned
-    assert "sibling.request" not in planned and "after-fail.request" in planned, planned  # one addon's failure
+    # One child's failure skips its later siblings (until the reorder puts the sibling first), not later addons.
+    assert planned.count("sibling.request") == 1 and planned.count("after-fail.request") == 3, planned
     print("ok")
 
 
