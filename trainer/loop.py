@@ -62,7 +62,10 @@ from trainer.publish import (
     PolicyReplicas,
     PublishError,
     PublishResult,
+    copy_checkpoint,
+    load_root,
     mean_abs_diff,
+    stage_checkpoint,
     write_checkpoint,
 )
 
@@ -115,6 +118,9 @@ class TrainSettings:
     # --workers each rank packs its own rows); veRL's own path where the model's attention takes no 4-D mask
     prefix_packing: bool = True
     seed: int = 1  # the engine's (LoRA's initial A matrix, dropout); the policy server's sampling is its own
+    # Full weights are written here first, for the servers to load, and copied to the store beside the load:
+    # "auto" (/dev/shm when every replica is on loopback), "store" (the store's copy is loaded), or a folder
+    load_dir: str = "auto"
 
 
 @dataclass
@@ -242,6 +248,8 @@ class Trainer:
         # before the next publish, to tell a publish that did not land from one that did.
         self.server_probe: dict[str, tuple[list[int], list[float]]] = {}
         self.left_out: dict[str, str] = {}  # the last publish's replicas left out: URL -> why
+        self._load_root: Path | None = None  # where full weights are written for the servers (trainer.publish)
+        self._load_root_known = False
         self._claim_server()
 
     @property
@@ -402,15 +410,24 @@ class Trainer:
 
     # ---- publish and commit ----------------------------------------------------------------------------------
     def publish(self, version: int) -> PublishResult:
-        """Write, then switch every replica (paused) and probe each: its answer must be the new weights'."""
+        """Write, then switch every replica (paused) and probe each: its answer must be the new weights'. Full
+        weights with a load folder (``load_dir``) are loaded from there while the store's copy is written."""
         seconds: dict[str, float] = {}
         started = time.perf_counter()
-        path = self._write(version)
-        seconds["write"] = time.perf_counter() - started
-        clients = self.replicas.clients()
-        before = {c.base_url: self.server_probe.get(c.base_url) or c.probe(self.policy_name, PROBE_IDS, PROBE_STEPS)
-                  for c in clients}  # fmt: skip
-        with ThreadPoolExecutor(1, thread_name_prefix="forge-probe") as pool:
+        root = None if self.settings.lora_rank else self.load_root()
+        with ThreadPoolExecutor(2, thread_name_prefix="forge-publish") as pool:
+            stored: Future | None = None
+            if root is None:
+                path = self._write(version)
+            else:
+                path = root / f"v{version}"
+                stage_checkpoint(path, self.settings.run, version, self.engine.save_weights, self.model_dir,
+                                 f"v{version} to {root}")  # fmt: skip
+                stored = pool.submit(copy_checkpoint, self.store, self.settings.run, version, path)
+            seconds["write"] = time.perf_counter() - started
+            clients = self.replicas.clients()
+            before = {c.base_url: self.server_probe.get(c.base_url)
+                      or c.probe(self.policy_name, PROBE_IDS, PROBE_STEPS) for c in clients}  # fmt: skip
             # The engine teacher-forces the server's previous probe ids while the server loads: one update rarely
             # changes them (when it does, verify computes the new ones after the server's answer).
             guess_ids = before[clients[0].base_url][0]
@@ -419,13 +436,51 @@ class Trainer:
             if self.settings.lora_rank:
                 failed = self._switch(lambda c: c.load_adapter(self.adapter_name, path), version, clients)
             else:
-                failed = self._switch(lambda c: c.load_full(path), version, clients)
+                failed = self._switch(lambda c: self._load_full(c, path, stored), version, clients)
             seconds["load"] = time.perf_counter() - started
             started = time.perf_counter()
             result = self.verify(version, str(path), before, (guess_ids, guess), failed, clients)
             seconds["verify"] = time.perf_counter() - started
+            if stored is not None and root is not None:
+                started = time.perf_counter()
+                try:  # the store's copy is the version's checkpoint: a publish without it fails
+                    result.path = str(stored.result())
+                except ForgeError as error:
+                    raise PublishError(f"v{version} is served, but {error}: the run stops") from error
+                seconds["store"] = time.perf_counter() - started  # what the copy took beyond load and verify
+                for old in root.glob("v*"):  # earlier versions: no server loads them again
+                    if old.name != path.name:
+                        shutil.rmtree(old, ignore_errors=True)
         result.seconds = seconds
         return result
+
+    def load_root(self) -> Path | None:
+        """The folder full weights are written to for the servers to load (``trainer.publish.load_root``)."""
+        if not self._load_root_known:
+            size = sum(p.stat().st_size for p in self.model_dir.glob("*.safetensors"))
+            urls = [c.base_url for c in self.replicas.clients()]
+            self._load_root = load_root(self.settings.load_dir, urls, size)
+            self._load_root_known = True
+            if self._load_root is not None:
+                self.echo(
+                    f"forge train: full weights are written to {self._load_root} for the policy servers to "
+                    "load, and copied to the store beside the load (--load-dir store: load the store's copy)"
+                )
+        return self._load_root
+
+    def _load_full(self, client: PolicyClient, path: Path, stored: Future | None) -> None:
+        """Full weights from the load folder; a replica that cannot read it (another machine's, a container's
+        file system) loads the store's copy instead (vLLM refuses a path it cannot read: HTTP 500, the weights
+        untouched)."""
+        try:
+            client.load_full(path)
+        except PublishError as error:
+            if stored is None:
+                raise
+            store_path = stored.result()
+            self.echo(f"forge train: {client.base_url} did not load {path} ({str(error)[:200]}); loading the "
+                      f"store's copy {store_path}")  # fmt: skip
+            client.load_full(store_path)
 
     def _write(self, version: int) -> Path:
         return write_checkpoint(self.store, self.settings.run, version, self.engine.save_weights, self.model_dir,
@@ -517,7 +572,11 @@ class Trainer:
         return [float(x) for x in log_probs[0].tolist()]
 
     def close(self) -> None:
-        """Shut down what the engine started (a Ray worker group and the local Ray)."""
+        """Shut down what the engine started (a Ray worker group and the local Ray); drop the load folder (the
+        store keeps every version)."""
+        if self._load_root is not None:
+            shutil.rmtree(self._load_root, ignore_errors=True)
+            self._load_root, self._load_root_known = None, False
         if self._engine is not None:
             self._engine.close()
             self._engine = None

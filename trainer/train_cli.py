@@ -58,6 +58,11 @@ from forge.errors import ForgeError
     "--model", "model_dir", type=click.Path(path_type=Path), help="Base HF checkpoint (default: prepared fp32)."
 )
 @click.option("--s3-endpoint", help="S3-compatible endpoint for an s3:// store.")
+@click.option(
+    "--load-dir", default="auto", show_default=True,
+    help="Where full weights are written for the policy servers to load, beside the store's copy: auto (/dev/shm "
+    "when every replica is on loopback), store (load the store's copy), or a folder the servers read.",
+)  # fmt: skip
 @click.pass_context
 def train_group(ctx: click.Context, store: str | None, policy_url: str | None, workers: int, **options) -> None:
     """Train the policy on complete episodes; publish and verify every new version.

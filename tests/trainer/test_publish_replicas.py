@@ -4,7 +4,9 @@ real sidecars routing over both.
 Behaviour, not labels: "serves the new version" is each replica's own sample, teacher-forced under the new
 version's checkpoint (and, the control, under the previous one). Order matters, as in a run: the load-balanced
 refusal (both servers up), a publish on both, a replica that fails to load (left out, routed around, healed by the
-next publish), then a replica killed mid-publish (last: it stays down).
+next publish), a replica that cannot read the load folder (it loads the store's copy), then a replica killed
+mid-publish (last: it stays down). Both replicas are on loopback: each publish of full weights is loaded from the
+trainer's /dev/shm load folder, and ``served_by`` teacher-forces the store's copy.
 """
 
 import os
@@ -168,6 +170,7 @@ def test_a_publish_lands_on_every_replica_and_leaves_none_paused(trainer, server
     result = trainer.publish(1)
     print(result)
     assert result.replicas == [server.base_url for server in servers] and result.left_out == {}
+    assert result.path == str(checkpoint(store, 1)) and (checkpoint(store, 1) / "_PUBLISHED.json").is_file()
     for n, server in enumerate(servers):
         assert state(server) == ("1", False)
         served_by(server, prompt, checkpoint(store, 1), previous=default_checkpoint("float32"), seed=n)
@@ -205,6 +208,35 @@ def test_a_replica_that_fails_to_load_is_left_out_routed_around_and_healed_by_th
     assert [(c["replica"], c["policy_version"]) for c in calls] == [(b.base_url, "3")]
 
 
+def test_a_replica_that_cannot_read_the_load_folder_loads_the_stores_copy(trainer, servers, store, prompt):
+    """Both replicas listen on loopback: the trainer writes full weights to a private /dev/shm folder for them to
+    load and copies them to the store beside the load. Replica b is made to look for them on another machine's file
+    system (the path does not exist there): the real vLLM refuses the path and keeps its weights; the trainer loads
+    the store's copy there. Both serve v4, no replica left out, and the load folder keeps only v4."""
+    root = trainer.load_root()
+    assert root is not None and root.parent == Path("/dev/shm") and (root / "v3").is_dir()
+    a, b = servers
+    client_b = trainer.replicas.known[b.base_url]
+    load = client_b.load_full
+    asked: list[Path] = []
+
+    def on_another_machine(path: Path) -> None:
+        asked.append(path)
+        load(Path("/nonexistent-host") / path.relative_to("/") if path.is_relative_to(root) else path)
+
+    nudge(trainer.engine)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(client_b, "load_full", on_another_machine)
+        result = trainer.publish(4)
+    print(result)
+    assert result.replicas == [a.base_url, b.base_url] and result.left_out == {}
+    assert asked == [root / "v4", checkpoint(store, 4)] and result.path == str(checkpoint(store, 4))
+    assert [p.name for p in root.iterdir()] == ["v4"]
+    for n, server in enumerate(servers):
+        assert state(server) == ("4", False)
+        served_by(server, prompt, checkpoint(store, 4), previous=checkpoint(store, 3), seed=8 + n)
+
+
 def test_a_replica_killed_mid_publish_leaves_the_others_published_and_routed_to(
     trainer, servers, store, prompt, tmp_path
 ):  # fmt: skip
@@ -220,12 +252,12 @@ def test_a_replica_killed_mid_publish_leaves_the_others_published_and_routed_to(
     nudge(trainer.engine)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(client_b, "load_full", killed_while_loading)
-        result = trainer.publish(4)
+        result = trainer.publish(5)
     print(result)
     assert result.replicas == [a.base_url] and list(result.left_out) == [b.base_url]
     assert "unreachable" in result.left_out[b.base_url]
-    assert state(a) == ("4", False)
-    served_by(a, prompt, checkpoint(store, 4), previous=checkpoint(store, 3), seed=6)
+    assert state(a) == ("5", False)
+    served_by(a, prompt, checkpoint(store, 5), previous=checkpoint(store, 4), seed=6)
     urls = [a.base_url, b.base_url]
     episodes = [e for e in (f"killed-{n}" for n in range(200)) if rendezvous(e, urls) == b.base_url][:2]
     sidecars = SidecarFactory(tmp_path)
@@ -244,4 +276,4 @@ def test_a_replica_killed_mid_publish_leaves_the_others_published_and_routed_to(
                          what="the calls' records")  # fmt: skip
     finally:
         sidecars.stop_all()
-    assert [(c["replica"], c["policy_version"], c["status"]) for c in calls] == [(a.base_url, "4", "ok")] * 2
+    assert [(c["replica"], c["policy_version"], c["status"]) for c in calls] == [(a.base_url, "5", "ok")] * 2
