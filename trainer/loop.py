@@ -27,6 +27,7 @@ import os
 import shutil
 import sys
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -250,6 +251,8 @@ class Trainer:
         self.left_out: dict[str, str] = {}  # the last publish's replicas left out: URL -> why
         self._load_root: Path | None = None  # where full weights are written for the servers (trainer.publish)
         self._load_root_known = False
+        if not settings.lora_rank:
+            self.load_root()  # a bad --load-dir fails now, not after the first update
         self._claim_server()
 
     @property
@@ -421,9 +424,15 @@ class Trainer:
                 path = self._write(version)
             else:
                 path = root / f"v{version}"
-                stage_checkpoint(path, self.settings.run, version, self.engine.save_weights, self.model_dir,
-                                 f"v{version} to {root}")  # fmt: skip
-                stored = pool.submit(copy_checkpoint, self.store, self.settings.run, version, path)
+                try:
+                    stage_checkpoint(path, self.settings.run, version, self.engine.save_weights, self.model_dir,
+                                     f"v{version} to the load folder {root}")  # fmt: skip
+                except ForgeError as error:  # e.g. the tmpfs filled up since: this one goes the store's way
+                    self.echo(f"forge train: {error}; v{version} is loaded from the store's copy")
+                    root, path = None, self._write(version)
+                else:
+                    stored = pool.submit(copy_checkpoint, self.store, self.settings.run, version, path,
+                                         self.state_dir)  # fmt: skip
             seconds["write"] = time.perf_counter() - started
             clients = self.replicas.clients()
             before = {c.base_url: self.server_probe.get(c.base_url)
@@ -445,8 +454,12 @@ class Trainer:
                 started = time.perf_counter()
                 try:  # the store's copy is the version's checkpoint: a publish without it fails
                     result.path = str(stored.result())
-                except ForgeError as error:
-                    raise PublishError(f"v{version} is served, but {error}: the run stops") from error
+                except ForgeError as error:  # no sidecar may record calls as a version the store does not hold
+                    for client in clients:
+                        if client.base_url in result.replicas:
+                            self.replicas.leave_out(client, version)
+                    raise PublishError(f"v{version} was loaded, but {error}: its replicas are relabelled "
+                                       f"left-out-v{version} and the run stops") from error  # fmt: skip
                 seconds["store"] = time.perf_counter() - started  # what the copy took beyond load and verify
                 for old in root.glob("v*"):  # earlier versions: no server loads them again
                     if old.name != path.name:
@@ -455,13 +468,15 @@ class Trainer:
         return result
 
     def load_root(self) -> Path | None:
-        """The folder full weights are written to for the servers to load (``trainer.publish.load_root``)."""
+        """The folder full weights are written to for the servers to load (``trainer.publish.load_root``), removed
+        by ``close`` or, at the latest, when the process exits."""
         if not self._load_root_known:
             size = sum(p.stat().st_size for p in self.model_dir.glob("*.safetensors"))
             urls = [c.base_url for c in self.replicas.clients()]
             self._load_root = load_root(self.settings.load_dir, urls, size)
             self._load_root_known = True
             if self._load_root is not None:
+                weakref.finalize(self, shutil.rmtree, self._load_root, True)
                 self.echo(
                     f"forge train: full weights are written to {self._load_root} for the policy servers to "
                     "load, and copied to the store beside the load (--load-dir store: load the store's copy)"
@@ -469,13 +484,13 @@ class Trainer:
         return self._load_root
 
     def _load_full(self, client: PolicyClient, path: Path, stored: Future | None) -> None:
-        """Full weights from the load folder; a replica that cannot read it (another machine's, a container's
-        file system) loads the store's copy instead (vLLM refuses a path it cannot read: HTTP 500, the weights
-        untouched)."""
+        """Full weights from the load folder; a replica that refuses it (it sees another machine's or a container's
+        file system: vLLM answers HTTP 500, its weights untouched) loads the store's local copy instead. An
+        unreachable replica or a timeout is not tried again (it is left out)."""
         try:
             client.load_full(path)
         except PublishError as error:
-            if stored is None:
+            if stored is None or error.status is None:
                 raise
             store_path = stored.result()
             self.echo(f"forge train: {client.base_url} did not load {path} ({str(error)[:200]}); loading the "

@@ -41,10 +41,12 @@ new version's number for the probe's duration (~0.1–1 s) before it was relabel
 """
 
 import contextlib
+import errno
 import json
 import math
 import os
 import shutil
+import stat
 import tempfile
 import time
 import uuid
@@ -79,12 +81,16 @@ TOLERANCE = {"float32": 2e-4, "bfloat16": 1.5e-1, "float16": 5e-2, "auto": 1.5e-
 class PublishError(ForgeError):
     """A publish that did not land: the run must not go on as if it had."""
 
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status  # the policy server's HTTP status when it refused a step (None: unreachable, other)
+
 
 @dataclass
 class PublishResult:
     version: int
     path: str
-    seconds: dict[str, float] = field(default_factory=dict)  # write, load, verify
+    seconds: dict[str, float] = field(default_factory=dict)  # write, load, verify (+ store: a load folder's copy)
     probe_diff: float = math.nan  # mean |server − trainer(new)| over the probe
     probe_diff_old: float = math.nan  # mean |server − its answer before the load|: 0 for a publish that did not land
     replicas: list[str] = field(default_factory=list)  # the replicas that serve it
@@ -121,13 +127,14 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dic
 
 
 def write_checkpoint(
-    store: Store, run: str, version: int, save: Callable[[Path], None], base_model: Path,
+    store: Store, run: str, version: int, save: Callable[[Path], None], base_model: Path | None,
     local_dir: Path | None = None,
 ) -> Path:  # fmt: skip
     """Write version ``version`` atomically; returns the local folder vLLM loads (the store's on a local store).
 
     ``save(folder)`` writes the weights (``PolicyEngine.save_weights``: ``model.safetensors`` or a LoRA adapter);
-    the base model's config and tokenizer join full weights, so the folder is an HF checkpoint."""
+    the base model's config and tokenizer join full weights, so the folder is an HF checkpoint (``base_model``
+    None: ``save`` wrote them)."""
     relative = checkpoint_name(run, version)
     if store.is_local:
         final = Path(store.path(relative))
@@ -176,51 +183,59 @@ def upload_checkpoint(store: Store, relative: str, folder: Path) -> None:
         raise ForgeError(f"cannot upload the checkpoint {relative} to {store.uri}: {error}") from error
 
 
-def copy_checkpoint(store: Store, run: str, version: int, source: Path) -> Path:
-    """A checkpoint written in a load folder (``source``, e.g. on tmpfs) into the store, as ``write_checkpoint``
-    writes one; returns the store's folder (a local store) or ``source`` (an object store)."""
-    relative = checkpoint_name(run, version)
-    if not store.is_local:
-        upload_checkpoint(store, relative, source)
-        return source
+def copy_checkpoint(store: Store, run: str, version: int, source: Path, local_dir: Path | None = None) -> Path:
+    """A checkpoint written in a load folder (``source``, e.g. on tmpfs) copied where ``write_checkpoint`` writes
+    one (an object store: the local folder under ``local_dir``, then uploaded); returns that local folder."""
 
     def copy(staging: Path) -> None:
         for path in source.iterdir():
             if path.name != "_PUBLISHED.json":
                 shutil.copyfile(path, staging / path.name)  # sendfile: a kernel-side copy
 
-    final = Path(store.path(relative))
-    stage_checkpoint(final, run, version, copy, None, f"{relative} to {store.uri}")
-    return final
+    return write_checkpoint(store, run, version, copy, None, local_dir)
 
 
 def load_root(setting: str | None, urls: list[str], size: int) -> Path | None:
     """Where a full-weights checkpoint is written for the policy servers to load, before (and beside) the store's
-    copy: ``setting`` a folder, ``"store"`` (none: the store's copy is loaded), or ``"auto"``: a fresh private
-    folder on /dev/shm when every replica listens on loopback (the servers share this machine) and the tmpfs has
-    room for two checkpoints of ``size`` bytes. A tmpfs write takes no disk write-back: 0.17 s for SmolLM2's
-    540 MB, where the disk's took 0.14-0.9 s. A replica that cannot read it loads the store's copy instead."""
+    copy: ``setting`` a folder, ``"store"`` (none: the store's copy is loaded), or ``"auto"``: a new folder of the
+    trainer's own on /dev/shm when every replica listens on loopback (the servers share this machine) and the tmpfs
+    has room for two checkpoints of ``size`` bytes (else none). A tmpfs write waits on no disk write-back: 0.17 s for
+    SmolLM2's 540 MB, where the disk's took 0.14-0.9 s. A replica that refuses the path (it cannot read it) loads
+    the store's local copy instead."""
     if setting in (None, "", "store"):
         return None
     if setting != "auto":
         root = Path(setting)
         try:
             root.mkdir(parents=True, exist_ok=True)
+            safe_parent(root)
+            return _own_folder(root)
         except OSError as error:
-            raise ForgeError(f"--load-dir {setting}: cannot create it ({error.strerror})") from None
-        return _private_folder(root)
+            raise ForgeError(f"--load-dir {setting}: {error.strerror or error}") from None
     shm = Path("/dev/shm")
     loopback = all(urlparse(url).hostname in ("127.0.0.1", "localhost", "::1") for url in urls)
     try:
-        room = shutil.disk_usage(shm).free
+        if not loopback or shutil.disk_usage(shm).free < 2 * size or not os.access(shm, os.W_OK):
+            return None
+        safe_parent(shm)
+        return _own_folder(shm)
     except OSError:
         return None
-    if not loopback or room < 2 * size or not os.access(shm, os.W_OK):
-        return None
-    return _private_folder(shm)
 
 
-def _private_folder(parent: Path) -> Path:
+def safe_parent(folder: Path) -> None:
+    """The load folder's parent must not let another user move our folder away and put theirs in its place: a real
+    folder (not a link), owned by us or root, writable only by its owner unless sticky (/dev/shm, /tmp: there
+    nobody but its owner renames an entry)."""
+    info = os.lstat(folder)
+    shared = info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    if (not stat.S_ISDIR(info.st_mode) or info.st_uid not in (0, os.getuid())
+            or (shared and not info.st_mode & stat.S_ISVTX)):  # fmt: skip
+        raise OSError(errno.EPERM, "another user could replace what is written there (it must be a folder owned by "
+                                   "you or root, writable by others only if sticky)")  # fmt: skip
+
+
+def _own_folder(parent: Path) -> Path:
     """A new folder of a name nobody could have made before (a shared /dev/shm), only its owner writes to it;
     readable by all, as the store's checkpoints: the server may run as another uid."""
     folder = Path(tempfile.mkdtemp(prefix="openforge-load-", dir=parent))
@@ -261,7 +276,8 @@ class PolicyClient:
                 raise PublishError(
                     f"the policy server at {self.base_url} is unreachable ({what or path}): {error.__cause__ or error}"
                 ) from error
-            raise PublishError(f"the policy server refused {what or path}: HTTP {error.status} {error.body}") from None
+            raise PublishError(f"the policy server refused {what or path}: HTTP {error.status} {error.body}",
+                               status=error.status) from None  # fmt: skip
 
     def check(self) -> str:
         """The served model's name, or a one-line error when the server is down."""

@@ -263,6 +263,7 @@ class Demo:
             policy_url = server.base_url
         else:
             policy_url = s.policy_url.rstrip("/").removesuffix("/v1")
+        trainer = None
         try:
             trainer = self._trainer(policy_url)
             if s.heldout_samples:
@@ -274,6 +275,8 @@ class Demo:
                 self.evaluate(trainer, policy_url, mini)
                 self.compare()
         finally:
+            if trainer is not None:
+                trainer.close()  # its load folder (full weights on /dev/shm), its Ray workers
             if server is not None:
                 server.stop()
             self.finish(time.monotonic() - self.started)  # what was done, also when a later part failed

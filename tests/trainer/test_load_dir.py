@@ -19,7 +19,8 @@ from trainer.publish import PublishError, copy_checkpoint, load_root, stage_chec
 LOOPBACK = ["http://127.0.0.1:8000", "http://localhost:8001"]
 
 
-def test_auto_is_a_fresh_private_tmpfs_folder_only_when_every_replica_is_on_loopback(tmp_path):
+@pytest.mark.skipif(not os.access("/dev/shm", os.W_OK), reason="no writable /dev/shm here")
+def test_auto_is_a_fresh_folder_of_our_own_on_tmpfs_only_when_every_replica_is_on_loopback(tmp_path):
     assert load_root("store", LOOPBACK, 1) is None
     assert load_root("auto", [*LOOPBACK, "http://10.0.0.7:8000"], 1) is None  # one replica elsewhere
     assert load_root("auto", LOOPBACK, 10**15) is None  # no room for two checkpoints
@@ -36,6 +37,22 @@ def test_auto_is_a_fresh_private_tmpfs_folder_only_when_every_replica_is_on_loop
     (tmp_path / "file").write_text("")
     with pytest.raises(ForgeError, match="--load-dir"):
         load_root(str(tmp_path / "file" / "sub"), LOOPBACK, 1)
+
+
+def test_a_named_folder_another_user_could_swap_our_folder_in_is_refused(tmp_path):
+    """--load-dir's parent: writable by others and not sticky (they could rename our folder and put theirs in its
+    place, which the servers would load and the store copy), or a link: refused. Sticky (as /tmp): kept."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(ForgeError, match="another user could replace"):
+        load_root(str(shared), LOOPBACK, 1)
+    shared.chmod(0o1777)
+    assert load_root(str(shared), LOOPBACK, 1)
+    (tmp_path / "link").symlink_to(tmp_path / "mine", target_is_directory=True)
+    (tmp_path / "mine").mkdir()
+    with pytest.raises(ForgeError, match="another user could replace"):
+        load_root(str(tmp_path / "link"), LOOPBACK, 1)
 
 
 def staged(tmp_path: Path) -> Path:
@@ -68,10 +85,12 @@ def test_the_store_gets_the_load_folders_checkpoint_byte_for_byte_marker_last(tm
     assert files(source)  # the load folder is the servers': untouched
 
 
-def test_an_object_store_gets_it_too(tmp_path, s3_server):
+def test_an_object_store_gets_it_too_with_a_local_copy_a_replica_can_load(tmp_path, s3_server):
     source = staged(tmp_path)
     store = open_store(f"s3://{s3_server.bucket}/run", s3_server.endpoint)
-    assert copy_checkpoint(store, "r", 3, source) == source
+    local = copy_checkpoint(store, "r", 3, source, tmp_path / "state")
+    assert local == tmp_path / "state" / "forge-checkpoints" / "checkpoints" / "r" / "v3"
+    assert files(local) == files(source)
     infos = store.filesystem.get_file_info(pafs.FileSelector(store.path("checkpoints/r/v3")))
     assert sorted(Path(i.path).name for i in infos) == ["_PUBLISHED.json", "config.json", "model.safetensors"]
     with store.filesystem.open_input_stream(store.path("checkpoints/r/v3/model.safetensors")) as stream:
@@ -81,14 +100,17 @@ def test_an_object_store_gets_it_too(tmp_path, s3_server):
 class Replica:
     """A policy client that, like vLLM, refuses a path it cannot read (HTTP 500) and loads one it can."""
 
-    def __init__(self, readable: Path) -> None:
+    def __init__(self, readable: Path | None) -> None:
         self.base_url = "http://replica"
         self.readable = readable
         self.loaded: list[Path] = []
 
     def load_full(self, path: Path) -> None:
+        if self.readable is None:
+            raise PublishError("the policy server at http://replica is unreachable (reload_weights): timed out")
         if not str(path).startswith(str(self.readable)):
-            raise PublishError("the policy server refused reload_weights: HTTP 500 Repo id must be in the form ...")
+            raise PublishError("the policy server refused reload_weights: HTTP 500 Repo id must be in the form ...",
+                               status=500)  # fmt: skip
         self.loaded.append(path)
 
 
@@ -111,3 +133,7 @@ def test_a_replica_that_cannot_read_the_load_folder_loads_the_stores_copy(tmp_pa
     assert same_machine.loaded == [tmp_path / "shm" / "v3"] and len(trainer.lines) == 1
     with pytest.raises(PublishError, match="HTTP 500"):  # no load folder: the store's copy was the one refused
         Trainer._load_full(trainer, Replica(readable=tmp_path / "nowhere"), tmp_path / "store" / "v3", None)  # type: ignore[arg-type]
+    down = Replica(readable=None)  # unreachable or timed out: not asked again (it is left out)
+    with pytest.raises(PublishError, match="unreachable"):
+        Trainer._load_full(trainer, down, tmp_path / "shm" / "v3", stored)  # type: ignore[arg-type]
+    assert down.loaded == [] and len(trainer.lines) == 1

@@ -4,7 +4,8 @@ real sidecars routing over both.
 Behaviour, not labels: "serves the new version" is each replica's own sample, teacher-forced under the new
 version's checkpoint (and, the control, under the previous one). Order matters, as in a run: the load-balanced
 refusal (both servers up), a publish on both, a replica that fails to load (left out, routed around, healed by the
-next publish), a replica that cannot read the load folder (it loads the store's copy), then a replica killed
+next publish), a replica that cannot read the load folder (it loads the store's copy), a store copy that fails
+(every replica relabelled), then a replica killed
 mid-publish (last: it stays down). Both replicas are on loopback: each publish of full weights is loaded from the
 trainer's /dev/shm load folder, and ``served_by`` teacher-forces the store's copy.
 """
@@ -22,6 +23,7 @@ import httpx
 import pytest
 
 from bench.trainer_publish import nudge
+from forge.errors import ForgeError
 from sidecar.policy import PolicyServerClient
 from sidecar.replicas import rendezvous
 from tests.support.sidecar import SidecarFactory, read_calls, wait_for
@@ -62,8 +64,10 @@ def trainer(servers, store):
 
     url = ",".join(server.base_url for server in servers)
     trainer = Trainer(TrainSettings(store=str(store), policy_url=url, run="r", lr=2e-5))
+    root = trainer.load_root()
     yield trainer
     trainer.close()
+    assert root is None or not root.exists(), "close() removes the load folder"
 
 
 @pytest.fixture(scope="module")
@@ -237,6 +241,23 @@ def test_a_replica_that_cannot_read_the_load_folder_loads_the_stores_copy(traine
         served_by(server, prompt, checkpoint(store, 4), previous=checkpoint(store, 3), seed=8 + n)
 
 
+def test_a_store_copy_that_fails_relabels_every_replica_that_loaded_it_and_stops_the_run(trainer, servers, store):
+    """The replicas load v5 from the load folder while the store's copy fails (a full disk): no sidecar may record
+    calls as a version the store does not hold, so every replica is relabelled left out, and the publish fails."""
+    from trainer.loop import PublishError
+
+    def full_disk(*args, **kwargs):
+        raise ForgeError("cannot write the checkpoint checkpoints/r/v5: [Errno 28] No space left on device")
+
+    nudge(trainer.engine)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("trainer.loop.copy_checkpoint", full_disk)
+        with pytest.raises(PublishError, match="relabelled left-out-v5"):
+            trainer.publish(5)
+    assert all(state(server) == ("left-out-v5", False) for server in servers)
+    assert not checkpoint(store, 5).exists()
+
+
 def test_a_replica_killed_mid_publish_leaves_the_others_published_and_routed_to(
     trainer, servers, store, prompt, tmp_path
 ):  # fmt: skip
@@ -252,12 +273,12 @@ def test_a_replica_killed_mid_publish_leaves_the_others_published_and_routed_to(
     nudge(trainer.engine)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(client_b, "load_full", killed_while_loading)
-        result = trainer.publish(5)
+        result = trainer.publish(6)
     print(result)
     assert result.replicas == [a.base_url] and list(result.left_out) == [b.base_url]
     assert "unreachable" in result.left_out[b.base_url]
-    assert state(a) == ("5", False)
-    served_by(a, prompt, checkpoint(store, 5), previous=checkpoint(store, 4), seed=6)
+    assert state(a) == ("6", False)
+    served_by(a, prompt, checkpoint(store, 6), previous=checkpoint(store, 4), seed=6)
     urls = [a.base_url, b.base_url]
     episodes = [e for e in (f"killed-{n}" for n in range(200)) if rendezvous(e, urls) == b.base_url][:2]
     sidecars = SidecarFactory(tmp_path)
@@ -276,4 +297,4 @@ def test_a_replica_killed_mid_publish_leaves_the_others_published_and_routed_to(
                          what="the calls' records")  # fmt: skip
     finally:
         sidecars.stop_all()
-    assert [(c["replica"], c["policy_version"], c["status"]) for c in calls] == [(a.base_url, "5", "ok")] * 2
+    assert [(c["replica"], c["policy_version"], c["status"]) for c in calls] == [(a.base_url, "6", "ok")] * 2
