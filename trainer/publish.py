@@ -10,7 +10,9 @@ for ``/resume``, so the probe runs after it.)
 1. Checkpoint: ``<store>/checkpoints/<run>/v<n>/`` holds either full weights (``model.safetensors`` + the base
    model's config and tokenizer: an HF folder vLLM and transformers load) or a LoRA adapter
    (``adapter_model.safetensors`` + ``adapter_config.json``). It is written under a hidden name and renamed, so a
-   reader never sees half a checkpoint; on S3 every file is uploaded first and ``_PUBLISHED.json`` last.
+   reader never sees half a checkpoint; on S3 every file is uploaded first and ``_PUBLISHED.json`` last. Full
+   weights with a load folder (``load_root``: /dev/shm when the servers share this machine) are written there
+   first and loaded from there, while the store's copy is written beside the load (``copy_checkpoint``).
 2. Load: full weights through ``POST /collective_rpc reload_weights``; an adapter is unloaded, then loaded
    (never ``load_inplace``, which has been seen to keep serving the adapter it read first).
 3. Prefix cache: ``POST /reset_prefix_cache`` after the load, so no later call is served from KV computed with
