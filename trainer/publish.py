@@ -237,12 +237,38 @@ def safe_parent(folder: Path) -> None:
                                    "you or root, writable by others only if sticky)")  # fmt: skip
 
 
+LOAD_PREFIX = "openforge-load-"  # + the trainer's pid + "-" + mkdtemp's random part
+
+
 def _own_folder(parent: Path) -> Path:
     """A new folder of a name nobody could have made before (a shared /dev/shm), only its owner writes to it;
-    readable by all, as the store's checkpoints: the server may run as another uid."""
-    folder = Path(tempfile.mkdtemp(prefix="openforge-load-", dir=parent))
+    readable by all, as the store's checkpoints: the server may run as another uid. The folders that trainers
+    killed before their cleanup left there (named with their pid, ours, the pid gone) are removed first."""
+    sweep_dead(parent)
+    folder = Path(tempfile.mkdtemp(prefix=f"{LOAD_PREFIX}{os.getpid()}-", dir=parent))
     folder.chmod(0o755)
     return folder
+
+
+def sweep_dead(parent: Path) -> list[Path]:
+    """Remove the load folders in ``parent`` whose trainer died without removing its own (``kill -9``: tmpfs
+    holds a checkpoint until reboot): ours (same uid), real folders, named for a pid no process has now."""
+    removed = []
+    for entry in os.scandir(parent):
+        pid = entry.name.removeprefix(LOAD_PREFIX).split("-", 1)[0]
+        if not entry.name.startswith(LOAD_PREFIX) or not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            info = entry.stat(follow_symlinks=False)
+            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+                continue
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(Path(entry.path))
+        except OSError:  # alive (another uid's process: EPERM) or gone meanwhile
+            continue
+    return removed
 
 
 def _link_or_copy(source: Path, target: Path) -> None:

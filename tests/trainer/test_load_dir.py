@@ -137,3 +137,21 @@ def test_a_replica_that_cannot_read_the_load_folder_loads_the_stores_copy(tmp_pa
     with pytest.raises(PublishError, match="unreachable"):
         Trainer._load_full(trainer, down, tmp_path / "shm" / "v3", stored)  # type: ignore[arg-type]
     assert down.loaded == [] and len(trainer.lines) == 1
+
+
+def test_the_load_folders_of_dead_trainers_are_swept_and_no_other(tmp_path):
+    """kill -9 leaves a trainer's load folder (a checkpoint in RAM until reboot): the next trainer removes those
+    named for a pid that no longer runs, and nothing else."""
+    import subprocess
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    names = [f"openforge-load-{dead.pid}-abc", f"openforge-load-{os.getppid()}-abc", f"openforge-load-{os.getpid()}-x",
+             "openforge-load-notapid-abc", "someone-else"]  # fmt: skip
+    for name in names:
+        (tmp_path / name).mkdir()
+    (tmp_path / f"openforge-load-{dead.pid}-link").symlink_to(tmp_path / "someone-else")
+    swept = load_root(str(tmp_path), LOOPBACK, 1)
+    assert swept is not None and swept.name.startswith(f"openforge-load-{os.getpid()}-")
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == sorted([*names[1:], f"openforge-load-{dead.pid}-link", swept.name])

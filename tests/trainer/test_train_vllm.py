@@ -379,8 +379,10 @@ def test_resume_after_kill_9_continues_from_the_committed_step_without_retrainin
         process.communicate()
     first = json.loads(state_file.read_text())
     assert first["step"] == 1 and first["version"] == 1 and len(first["trained"]) == 2
+    left = list(Path("/dev/shm").glob(f"openforge-load-{process.pid}-*"))  # full weights: its load folder (loopback)
     resumed = forge(*args, "--resume", timeout=900)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert left and not any(p.exists() for p in left), "the resumed trainer removes the killed one's load folder"
     final = json.loads(state_file.read_text())
     assert final["step"] == 2 and final["version"] == 2
     assert final["trained"][:2] == first["trained"] and len(set(final["trained"])) == 4
