@@ -266,7 +266,7 @@ def sweep_dead(parent: Path) -> list[Path]:
         except ProcessLookupError:
             shutil.rmtree(entry.path, ignore_errors=True)
             removed.append(Path(entry.path))
-        except OSError:  # alive (another uid's process: EPERM) or gone meanwhile
+        except (OSError, OverflowError):  # alive (another uid's process: EPERM), gone meanwhile, or no pid at all
             continue
     return removed
 

@@ -147,7 +147,7 @@ def test_the_load_folders_of_dead_trainers_are_swept_and_no_other(tmp_path):
     dead = subprocess.Popen(["true"])
     dead.wait()
     names = [f"openforge-load-{dead.pid}-abc", f"openforge-load-{os.getppid()}-abc", f"openforge-load-{os.getpid()}-x",
-             "openforge-load-notapid-abc", "someone-else"]  # fmt: skip
+             "openforge-load-notapid-abc", "openforge-load-99999999999999999999999-abc", "someone-else"]  # fmt: skip
     for name in names:
         (tmp_path / name).mkdir()
     (tmp_path / f"openforge-load-{dead.pid}-link").symlink_to(tmp_path / "someone-else")
