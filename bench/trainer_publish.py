@@ -94,7 +94,7 @@ def main() -> None:
         kind = f"LoRA r={args.lora_rank} adapter" if args.lora_rank else "full weights (fp32, 135M params)"
         medians = {k: statistics.median(v) for k, v in seconds.items()}
         print(
-            f"load folder: {trainer.load_root() or 'none (the store copy is loaded)'}; "
+            f"load folder: {trainer.load_folder or 'none (the store copy is loaded)'}; "
             + (
                 "each publish after the last checkpoint's write-back (os.sync)"
                 if args.sync

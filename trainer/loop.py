@@ -249,10 +249,9 @@ class Trainer:
         # before the next publish, to tell a publish that did not land from one that did.
         self.server_probe: dict[str, tuple[list[int], list[float]]] = {}
         self.left_out: dict[str, str] = {}  # the last publish's replicas left out: URL -> why
-        self._load_root: Path | None = None  # where full weights are written for the servers (trainer.publish)
-        self._load_root_known = False
-        if not settings.lora_rank:
-            self.load_root()  # a bad --load-dir fails now, not after the first update
+        # Where full weights are written for the servers to load (trainer.publish.load_root), resolved now: a bad
+        # --load-dir fails before the first update. Removed by close or, at the latest, when the process exits.
+        self.load_folder: Path | None = None if settings.lora_rank else self._make_load_folder()
         self._claim_server()
 
     @property
@@ -417,7 +416,7 @@ class Trainer:
         weights with a load folder (``load_dir``) are loaded from there while the store's copy is written."""
         seconds: dict[str, float] = {}
         started = time.perf_counter()
-        root = None if self.settings.lora_rank else self.load_root()
+        root = self.load_folder
         with ThreadPoolExecutor(2, thread_name_prefix="forge-publish") as pool:
             stored: Future | None = None
             if root is None:
@@ -467,21 +466,14 @@ class Trainer:
         result.seconds = seconds
         return result
 
-    def load_root(self) -> Path | None:
-        """The folder full weights are written to for the servers to load (``trainer.publish.load_root``), removed
-        by ``close`` or, at the latest, when the process exits."""
-        if not self._load_root_known:
-            size = sum(p.stat().st_size for p in self.model_dir.glob("*.safetensors"))
-            urls = [c.base_url for c in self.replicas.clients()]
-            self._load_root = load_root(self.settings.load_dir, urls, size)
-            self._load_root_known = True
-            if self._load_root is not None:
-                weakref.finalize(self, shutil.rmtree, self._load_root, True)
-                self.echo(
-                    f"forge train: full weights are written to {self._load_root} for the policy servers to "
-                    "load, and copied to the store beside the load (--load-dir store: load the store's copy)"
-                )
-        return self._load_root
+    def _make_load_folder(self) -> Path | None:
+        size = sum(p.stat().st_size for p in self.model_dir.glob("*.safetensors"))
+        folder = load_root(self.settings.load_dir, [c.base_url for c in self.replicas.clients()], size)
+        if folder is not None:
+            self._drop_load_folder = weakref.finalize(self, shutil.rmtree, folder, True)  # once: close or exit
+            self.echo(f"forge train: full weights are written to {folder} for the policy servers to load, and "
+                      "copied to the store beside the load (--load-dir store: load the store's copy)")  # fmt: skip
+        return folder
 
     def _load_full(self, client: PolicyClient, path: Path, stored: Future | None) -> None:
         """Full weights from the load folder; a replica that refuses it (it sees another machine's or a container's
@@ -589,9 +581,9 @@ class Trainer:
     def close(self) -> None:
         """Shut down what the engine started (a Ray worker group and the local Ray); drop the load folder (the
         store keeps every version)."""
-        if self._load_root is not None:
-            shutil.rmtree(self._load_root, ignore_errors=True)
-            self._load_root, self._load_root_known = None, False
+        if self.load_folder is not None:
+            self._drop_load_folder()
+            self.load_folder = None
         if self._engine is not None:
             self._engine.close()
             self._engine = None

@@ -5,9 +5,9 @@ Behaviour, not labels: "serves the new version" is each replica's own sample, te
 version's checkpoint (and, the control, under the previous one). Order matters, as in a run: the load-balanced
 refusal (both servers up), a publish on both, a replica that fails to load (left out, routed around, healed by the
 next publish), a replica that cannot read the load folder (it loads the store's copy), a store copy that fails
-(every replica relabelled), then a replica killed
-mid-publish (last: it stays down). Both replicas are on loopback: each publish of full weights is loaded from the
-trainer's /dev/shm load folder, and ``served_by`` teacher-forces the store's copy.
+(every replica relabelled), then a replica killed mid-publish (last: it stays down). Both replicas are on loopback:
+each publish of full weights is loaded from the trainer's /dev/shm load folder, and ``served_by`` teacher-forces the
+store's copy.
 """
 
 import os
@@ -64,7 +64,7 @@ def trainer(servers, store):
 
     url = ",".join(server.base_url for server in servers)
     trainer = Trainer(TrainSettings(store=str(store), policy_url=url, run="r", lr=2e-5))
-    root = trainer.load_root()
+    root = trainer.load_folder
     yield trainer
     trainer.close()
     assert root is None or not root.exists(), "close() removes the load folder"
@@ -217,7 +217,7 @@ def test_a_replica_that_cannot_read_the_load_folder_loads_the_stores_copy(traine
     load and copies them to the store beside the load. Replica b is made to look for them on another machine's file
     system (the path does not exist there): the real vLLM refuses the path and keeps its weights; the trainer loads
     the store's copy there. Both serve v4, no replica left out, and the load folder keeps only v4."""
-    root = trainer.load_root()
+    root = trainer.load_folder
     assert root is not None and root.parent == Path("/dev/shm") and (root / "v3").is_dir()
     a, b = servers
     client_b = trainer.replicas.known[b.base_url]
