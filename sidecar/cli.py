@@ -50,6 +50,8 @@ def mitmdump_command(
         "--set", "connection_strategy=lazy",
         # Warnings and errors (not -q: it would override this with "error" after the --set options are read).
         "--set", "flow_detail=0", "--set", "termlog_verbosity=warn",
+        # No mitm.it page (the CA travels by `forge ca` and the injector): its hook then leaves every call alone.
+        "--set", "onboarding=false",
         "--set", f"forge_upstream={upstream}", "--set", f"forge_store={store}", "--set", f"forge_wal_dir={wal_dir}",
     ]  # fmt: skip
     if episode_id:
