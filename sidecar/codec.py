@@ -9,6 +9,7 @@ One difference, on purpose: a non-finite float (not JSON; the standard library w
 ``null``, which every JSON reader takes. (A property test holds the two libraries to the same values.)
 """
 
+import functools
 import json
 from typing import Any
 
@@ -38,10 +39,15 @@ def dumps(value: Any) -> bytes:
         return json.dumps(value, separators=(",", ":")).encode()
 
 
+@functools.lru_cache(maxsize=16)
+def _encoder_with(default: Any) -> msgspec.json.Encoder:
+    return msgspec.json.Encoder(enc_hook=default)
+
+
 def dumps_text(value: Any, default: Any = None) -> str:
     """Compact JSON as text; unlike ``dumps`` it may hold lone surrogates (a harness's ``\\ud800``)."""
     try:
-        encoded = (msgspec.json.encode(value, enc_hook=default) if default else _encoder.encode(value)).decode()
+        encoded = (_encoder_with(default) if default else _encoder).encode(value).decode()
     except (TypeError, UnicodeEncodeError, msgspec.EncodeError):
         return json.dumps(value, ensure_ascii=False, separators=(",", ":"), default=default)
     return encoded

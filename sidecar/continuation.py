@@ -37,7 +37,6 @@ served normally: ``observe`` mode, or a fallback), ``rewrite`` (the text differs
 """
 
 import asyncio
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -341,7 +340,7 @@ class Continuations:
         if self.mode == "off" or call.added is None or not episode_sequences or strategy(call.api) is None:
             return
         try:
-            body = json.loads(flow.request.content or b"")
+            body = codec.loads(flow.request.content or b"")  # the body prepare() wrote
             found = await self.examine(call.api, episode_sequences, body, call.added, flow.request.path, call.bound,
                                        flow.metadata.get("forge_continues"))  # fmt: skip
         except Exception as error:

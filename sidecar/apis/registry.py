@@ -4,6 +4,7 @@ its dialect (error body, model-list shape), and its tokens-in strategy. Everythi
 registry; adding an API is one new module (imported by ``sidecar/apis/__init__.py``).
 """
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,12 +70,17 @@ def register(api: Api) -> Api:
     if (api.serve == RECORDED) != (api.module is not None) or (api.serve == RECORDED) != bool(api.max_token_fields):
         raise ValueError(f"wire API {api.name!r}: a recorded API (only) has a module and token-bound fields")
     REGISTRY[api.name] = api
+    _api_for.cache_clear()
     return api
 
 
 def api_for(method: str, path: str) -> str | None:
     """The registered API a request is for: the longest path suffix of its method, else a route's own match."""
-    path = path.split("?", 1)[0].rstrip("/")
+    return _api_for(method, path.split("?", 1)[0].rstrip("/"))
+
+
+@functools.lru_cache(maxsize=4096)  # every call asks; a harness uses a few paths (ids in a route's path: bounded)
+def _api_for(method: str, path: str) -> str | None:
     best, length = None, 0
     for api in REGISTRY.values():
         if api.method != method:
