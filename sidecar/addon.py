@@ -171,7 +171,8 @@ class Forge:
         """SIGTERM/SIGINT: wait (bounded) for calls in flight, record the ones cut, flush everything, then exit.
 
         mitmproxy awaits this hook with its event loop running, so calls in flight go on meanwhile. The bound
-        (``--drain-seconds``, default 20 s) plus the flush (at most 5 s) fits a pod's default 30 s grace period.
+        (``--drain-seconds``, default 20 s) plus the last version question and the flush (at most 5 s together,
+        6 s if the question must be given up) fits a pod's default 30 s grace period.
         Records the store did not take stay in the WAL; the process then exits 3 and says so.
         """
         self.router.stop.set()
@@ -187,7 +188,10 @@ class Forge:
                 self.relay.internal_error("shutdown", error)
         if self.admin:
             self.admin.stop()
-        if self.relay.writer and not self.relay.writer.close(timeout_s=5.0):
+        settling = time.monotonic()
+        await self.router.settle(timeout_s=2.0)  # the versions after the last calls, before the WAL closes
+        flush_s = max(3.0, 5.0 - (time.monotonic() - settling))
+        if self.relay.writer and not self.relay.writer.close(timeout_s=flush_s, wait_held=False):
             log.error("%d records are still in the write-ahead log; the next start replays them",
                       self.relay.writer.pending())  # fmt: skip
             atexit.register(os._exit, 3)  # after mitmproxy's own clean-up: a stop that leaves records is not clean

@@ -49,11 +49,18 @@ class Router:
         self.max_completion_tokens = 0
         self.continuations: dict[str, Continuations] = {}  # per replica URL
         self.versions: dict[str, VersionClock] = {}  # per replica URL: asks its weight version around each call
+        self.forgotten: list[VersionClock] = []  # of replicas DNS no longer lists (``settle`` waits for them too)
         self.context_asked: dict[str, float] = {}  # replica URL -> when a call last asked its context
         # Model calls routed but not yet connected, by (client connection, replica address): `server_connect` finds
         # the flows a new upstream connection is for, and moves them when their replica refuses it.
         self.connecting: dict[tuple[str, tuple[str, int]], list[http.HTTPFlow]] = {}
         self.stop = threading.Event()
+
+    async def settle(self, timeout_s: float) -> None:
+        """Shutdown: every replica's question after its last calls answered (together at most ``timeout_s``), the
+        replicas DNS no longer lists included (their calls' rows wait in the WAL too)."""
+        clocks = list(self.versions.values()) + list(self.forgotten)  # the poller thread may change them meanwhile
+        await asyncio.gather(*(clock.settle(timeout_s) for clock in clocks))
 
     def close(self) -> None:
         self.stop.set()
@@ -111,10 +118,13 @@ class Router:
                 self.stop.wait(interval)
 
     def forget_gone(self) -> None:
-        """Replicas DNS no longer lists: their version clients (and threads), tokens-in clients and gauges go too."""
+        """Replicas DNS no longer lists: their version clocks, tokens-in clients and gauges go too."""
         known = {replica.url for replica in self.replicas.all()}
         for url in [url for url in self.versions if url not in known]:
-            self.versions.pop(url).stop()
+            clock = self.versions.pop(url)
+            clock.stop()
+            self.forgotten.append(clock)  # a question after its last calls may still be out: ``settle`` waits
+        self.forgotten = [clock for clock in self.forgotten if clock.after_task is not None or clock.waiting]
         for url in [url for url in self.continuations if url not in known]:
             self.continuations.pop(url).close()
         for url in [url for url in self.context_asked if url not in known]:

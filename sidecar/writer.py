@@ -462,13 +462,15 @@ class RecordWriter:
         )  # fmt: skip
         return rows_to_table(good, table) if good else None
 
-    def close(self, timeout_s: float = 10.0) -> bool:
-        """Batch and flush everything (SIGTERM); what the store does not take in time stays in the WAL."""
+    def close(self, timeout_s: float = 10.0, wait_held: bool = True) -> bool:
+        """Batch and flush everything (SIGTERM); what the store does not take in time stays in the WAL. Rows held
+        for a value still to come wait for it (within ``timeout_s``) unless ``wait_held`` is off: the sidecar
+        settles its version questions first, on the event loop this call blocks."""
         self.stopping.set()
         if self.thread.is_alive():
             self.thread.join(timeout=5.0)
         deadline = time.monotonic() + timeout_s
-        while self.held and time.monotonic() < min(deadline, time.monotonic() + HOLD_S):  # values on their way
+        while wait_held and self.held and time.monotonic() < min(deadline, time.monotonic() + HOLD_S):
             time.sleep(0.02)
         done = False
         while True:

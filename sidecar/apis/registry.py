@@ -70,16 +70,23 @@ def register(api: Api) -> Api:
     if (api.serve == RECORDED) != (api.module is not None) or (api.serve == RECORDED) != bool(api.max_token_fields):
         raise ValueError(f"wire API {api.name!r}: a recorded API (only) has a module and token-bound fields")
     REGISTRY[api.name] = api
-    _api_for.cache_clear()
+    _api_for_cached.cache_clear()
     return api
 
 
 def api_for(method: str, path: str) -> str | None:
     """The registered API a request is for: the longest path suffix of its method, else a route's own match."""
-    return _api_for(method, path.split("?", 1)[0].rstrip("/"))
+    path = path.split("?", 1)[0].rstrip("/")
+    # Every call asks: a harness uses a few paths, found once. A long path (an agent's) is not kept: the cache
+    # holds at most 4096 paths of at most 256 characters.
+    return _api_for_cached(method, path) if len(path) <= 256 else _api_for(method, path)
 
 
-@functools.lru_cache(maxsize=4096)  # every call asks; a harness uses a few paths (ids in a route's path: bounded)
+@functools.lru_cache(maxsize=4096)
+def _api_for_cached(method: str, path: str) -> str | None:
+    return _api_for(method, path)
+
+
 def _api_for(method: str, path: str) -> str | None:
     best, length = None, 0
     for api in REGISTRY.values():

@@ -344,6 +344,7 @@ def test_a_held_row_whose_value_never_comes_goes_on_after_the_hold(tmp_path, mon
 def test_a_version_after_the_call_that_takes_seconds_to_come_is_still_recorded(tmp_path):
     """A busy policy server can take seconds to say its version after a call (the question may wait 10 s): the
     row waits for it, so a call that straddled a publish never looks single-version."""
+    import asyncio
     import http.server
     import threading
     from urllib.parse import urlparse
@@ -372,12 +373,16 @@ def test_a_version_after_the_call_that_takes_seconds_to_come_is_still_recorded(t
     try:
         held = writer.append("calls", row(0), hold=True)
         assert held is not None
-        clock.after(held)
-        deadline = time.monotonic() + 15
-        while not stored_call_ids(store) and time.monotonic() < deadline:
-            writer.cut_batches()
-            writer.flush_batches()
-            time.sleep(0.1)
+
+        async def scenario() -> None:  # as the addon: the question after the call runs on the event loop
+            clock.after(held)
+            deadline = time.monotonic() + 15
+            while not stored_call_ids(store) and time.monotonic() < deadline:
+                writer.cut_batches()
+                writer.flush_batches()
+                await asyncio.sleep(0.1)
+
+        asyncio.run(scenario())
         table = open_store(store).read_table("calls")
         assert table is not None and table.column("policy_version_end").to_pylist() == ["v-after"]
     finally:
@@ -419,17 +424,58 @@ def test_a_fresh_version_answer_serves_the_next_call_and_a_stale_one_is_asked_ag
                 upstream.weight_version = "fake-2"  # a publish
                 monkeypatch.setattr(version, "FRESH_S", 0.0)
                 seen.append((await clock.before()).version)  # stale: asked again, the publish shows
-                return [*seen, str(asked)]
+                questions = upstream.weight_questions
+                clock.after(7)  # the after question also feeds the answer the next call may use
+                deadline = time.monotonic() + 10
+                while not completed and time.monotonic() < deadline:
+                    await asyncio.sleep(0.01)
+                return [*seen, str(asked), str(questions)]
 
-            assert asyncio.run(scenario()) == ["fake-1", "fake-1", "fake-2", "1"]
-            assert upstream.weight_questions == 2
-            clock.after(7)  # the after question also feeds the answer the next call may use
-            deadline = time.monotonic() + 10
-            while not completed and time.monotonic() < deadline:
-                time.sleep(0.01)
+            assert asyncio.run(scenario()) == ["fake-1", "fake-1", "fake-2", "1", "2"]
             assert completed == [([7], "fake-2")] and clock.known is not None and clock.known[1] == "fake-2"
         finally:
             clock.stop()
+
+
+def test_at_shutdown_the_last_calls_get_their_version_after_and_an_answer_too_slow_releases_them():
+    """The question after calls runs on the event loop: ``settle`` (the addon's ``done``, before the WAL closes)
+    waits for the last calls' answer; one that does not come in time leaves their rows released, version unknown,
+    at once (the WAL no longer waits its whole bound for an answer that cannot come), as are the rows of calls that
+    end after it began."""
+    import asyncio
+    from urllib.parse import urlparse
+
+    from bench.fake_upstream import FakeUpstream
+    from sidecar import version
+
+    completed: list[tuple[list[int], str | None]] = []
+    with FakeUpstream() as upstream:
+        clock = version.VersionClock(urlparse(upstream.url), lambda rows, v: completed.append((rows, v)))
+
+        async def shutdown() -> None:
+            clock.after(1)
+            clock.after(2)  # ends before the question is sent: shares it
+            await clock.settle(5.0)
+
+        asyncio.run(shutdown())
+        clock.stop()
+    assert completed == [([1, 2], "fake-1")] and upstream.weight_questions == 1
+    completed.clear()
+    with FakeUpstream(weight_delay_s=3.0) as upstream:
+        clock = version.VersionClock(urlparse(upstream.url), lambda rows, v: completed.append((rows, v)))
+
+        async def hurried() -> float:
+            clock.after(3)
+            started = time.monotonic()
+            await clock.settle(0.3)
+            took = time.monotonic() - started
+            clock.after(4)  # a call that ends while the sidecar stops: no question is left to come, released now
+            await asyncio.sleep(0.1)
+            return took
+
+        assert asyncio.run(hurried()) < 1.0
+        clock.stop()
+    assert completed == [([3], None), ([4], None)] and clock.after_task is None and clock.waiting == []
 
 
 def test_kept_alive_version_connections_the_server_closed_never_leave_a_version_unknown():
