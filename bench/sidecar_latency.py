@@ -4,15 +4,18 @@ All over the same fast local upstream (bench/fake_upstream.py: a fixed vLLM-shap
 is measured. Non-streaming p50/p99 with 1 and 64 clients, streaming time to first token with 1 client, and
 whether SSE is live (upstream chunks 0.3 s apart: when does the first reach the client?).
 
-Run: .venv/bin/python bench/sidecar_latency.py [--calls 400] [--runs 3] [--gateway-python PATH]
+Run: .venv/bin/python bench/sidecar_latency.py [--calls 400] [--runs 3] [--rounds N] [--gateway-python PATH]
 Each run prints its table and the sidecar's ratios to bare mitmdump's against the goals (issue 24: added p50 for one
 client <= 1.1x, calls/s at 64 clients >= 0.9x); ``--runs 3`` then lists the three runs' ratios side by side.
+``--rounds N`` measures the one-client p50 in N interleaved rounds (the targets take turns, all running): on a
+shared VM the machine's speed drifts between one target's block and the next, a paired design cancels that.
 (rllm-model-gateway lives in a bench-only env: python3.11 -m venv V && V/bin/pip install rllm-model-gateway)
 """
 
 import asyncio
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -41,8 +44,10 @@ def wait_port(port: int, timeout: float = 30.0) -> None:
     raise SystemExit(f"nothing listens on {port} after {timeout} s")
 
 
-def start(args: list[str], port: int) -> subprocess.Popen:
-    process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def start(args: list[str], port: int, tree: Path | None = None) -> subprocess.Popen:
+    """Start a target; ``tree``: the sidecar's code from that checkout (``--compare-tree``), with this one's envs."""
+    env = {**os.environ, "PYTHONPATH": str(tree)} if tree else None
+    process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=tree)
     wait_port(port)
     time.sleep(0.5)
     return process
@@ -61,7 +66,9 @@ def measure(port: int, calls: int) -> dict[str, float]:
     }  # fmt: skip
 
 
-def one_run(calls: int, gateway_python: Path, fixed: bool) -> dict[str, dict[str, float]]:
+def one_run(
+    calls: int, gateway_python: Path, fixed: bool, rounds: int = 1, compare: Path | None = None
+) -> dict[str, dict[str, float]]:
     """Every target once, side by side over one upstream; each target's figures."""
     upstream_port = free_port()
     upstream = start([sys.executable, str(ROOT / "bench" / "fake_upstream.py"), str(upstream_port)], upstream_port)
@@ -82,19 +89,29 @@ def one_run(calls: int, gateway_python: Path, fixed: bool) -> dict[str, dict[str
             "--upstream", upstream_url, "--store", str(work / "store2"), "--wal-dir", str(work / "wal2"),
             "--episode-id", "bench", "--policy-version", "1",
         ]  # fmt: skip
+    trees: dict[str, Path] = {}
+    if compare is not None:  # the sidecar as another checkout has it (e.g. a worktree of the commit before a change)
+        name = f"sidecar @ {compare.name}"
+        trees[name] = compare
+        targets[name] = [
+            str(ROOT / ".venv" / "bin" / "forge"), "sidecar", "--mode", f"reverse:{upstream_url}",
+            "--upstream", upstream_url, "--store", str(work / "store3"), "--wal-dir", str(work / "wal3"),
+            "--episode-id", "bench",
+        ]  # fmt: skip
     if gateway_python.exists():
         gateway = str(gateway_python.parent / "rllm-model-gateway")
         targets["rllm-model-gateway"] = [gateway, "--worker", upstream_url, "--store", "sqlite",
                                          "--db-path", str(work / "rllm.db"), "--log-level", "warning"]  # fmt: skip
-    results = {}
+    results: dict[str, dict[str, float]] = {}
+    if rounds > 1:
+        return interleaved(targets, upstream, upstream_port, calls, rounds, trees)
     try:
         for name, args in targets.items():
             if args is None:
                 results[name] = measure(upstream_port, calls)
                 continue
             port = free_port()
-            port_flag = ["--port" if name == "rllm-model-gateway" else "--listen-port", str(port)]
-            process = start(args + port_flag, port)
+            process = start(args + port_flag(name, port), port, trees.get(name))
             try:
                 results[name] = measure(port, calls)
             finally:
@@ -105,14 +122,53 @@ def one_run(calls: int, gateway_python: Path, fixed: bool) -> dict[str, dict[str
     return results
 
 
+def port_flag(name: str, port: int) -> list[str]:
+    return ["--port" if name == "rllm-model-gateway" else "--listen-port", str(port)]
+
+
+def interleaved(
+    targets: dict[str, list[str] | None], upstream: subprocess.Popen, upstream_port: int, calls: int, rounds: int,
+    trees: dict[str, Path],
+) -> dict[str, dict[str, float]]:  # fmt: skip
+    """``--rounds N``: every target started at once, measured once as above, then the one-client p50 again in N
+    rounds of ``calls`` calls each, the targets taking turns (in a rotated order each round), so that every target
+    meets the same drift of a shared machine; its p50 is the median of its rounds' (each round's beside it)."""
+    processes: dict[str, subprocess.Popen] = {}
+    ports = {name: upstream_port for name in targets}
+    results: dict[str, dict[str, float]] = {}
+    try:
+        for name, args in targets.items():
+            if args is not None:
+                ports[name] = free_port()
+                processes[name] = start(args + port_flag(name, ports[name]), ports[name], trees.get(name))
+        for name in targets:
+            results[name] = measure(ports[name], calls)
+        names = list(targets)
+        blocks: dict[str, list[float]] = {name: [] for name in names}
+        for number in range(rounds):
+            for name in names[number % len(names) :] + names[: number % len(names)]:
+                blocks[name].append(asyncio.run(run(ports[name], 1, calls, BODY)).summary()["p50_ms"])
+        for name in names:
+            results[name]["p50_1"] = statistics.median(blocks[name])
+            click.echo(f"  {name:22} one-client p50 by round: {' '.join(f'{b:.2f}' for b in blocks[name])}")
+    finally:
+        for process in processes.values():
+            process.terminate()
+            process.wait(30)
+        upstream.terminate()
+    return results
+
+
 def ratios(results: dict[str, dict[str, float]]) -> tuple[float, float]:
     """(the sidecar's added p50 over bare mitmdump's, 1 client; its calls/s over bare mitmdump's, 64 clients)."""
     base, bare, ours = results["direct"], results["bare mitmdump"], results["openforge sidecar"]
     return (ours["p50_1"] - base["p50_1"]) / (bare["p50_1"] - base["p50_1"]), ours["rps_64"] / bare["rps_64"]
 
 
-def report(results: dict[str, dict[str, float]], calls: int) -> None:
+def report(results: dict[str, dict[str, float]], calls: int, rounds: int = 1) -> None:
     base = results["direct"]
+    if rounds > 1:
+        click.echo(f"one-client p50 below: the median of {rounds} interleaved rounds of {calls} calls")
     click.echo(f"{calls} calls x1 client, {calls * 5} x64 clients, {calls // 2} streamed; {os.cpu_count()} cores, "
                f"load average {os.getloadavg()[0]:.1f}")  # fmt: skip
     click.echo(f"{'target':22} {'p50 1c':>8} {'+p50':>7} {'p99 1c':>8} {'calls/s 1c':>10} {'p50 64c':>8} "
@@ -133,6 +189,10 @@ def report(results: dict[str, dict[str, float]], calls: int) -> None:
     click.echo(f"stream TTFT added: sidecar {ours['ttft_1'] - base['ttft_1']:+.2f} ms, bare mitmdump "
                f"{bare['ttft_1'] - base['ttft_1']:+.2f} ms; SSE live (first of chunks 0.3 s apart): sidecar "
                f"{ours['live_ttft']:.1f} ms, bare mitmdump {bare['live_ttft']:.1f} ms")  # fmt: skip
+    for name in [name for name in results if name.startswith("sidecar @ ")]:  # --compare-tree
+        theirs = results[name]
+        click.echo(f"{name}: added p50 (1 client) {(theirs['p50_1'] - base['p50_1']) / added_bare:.2f}x bare "
+                   f"mitmdump's, calls/s (64 clients) {theirs['rps_64'] / bare['rps_64']:.2f}x")  # fmt: skip
     if peer := results.get("rllm-model-gateway"):
         figures = (("p50 1 client", "p50_1", min), ("p99 1 client", "p99_1", min),
                    ("calls/s 64 clients", "rps_64", max), ("p99 64 clients", "p99_64", min))  # fmt: skip
@@ -144,21 +204,30 @@ def report(results: dict[str, dict[str, float]], calls: int) -> None:
 @click.command()
 @click.option("--calls", type=int, default=400, show_default=True)
 @click.option("--runs", type=int, default=1, show_default=True, help="Whole side-by-side runs, each reported.")
+@click.option("--rounds", type=int, default=1, show_default=True,
+              help="N > 1: the one-client p50 as the median of N rounds in which the targets (all running) take "
+                   "turns, CALLS calls each: paired against the drift of a shared machine.")  # fmt: skip
 @click.option(
     "--fixed-version/--no-fixed-version",
     default=True,
     show_default=True,
     help="Also measure the sidecar with a fixed --policy-version (no version questions).",
 )
+@click.option("--compare-tree", type=click.Path(path_type=Path, file_okay=False, exists=True),
+              help="Also measure the sidecar's code from this checkout (e.g. `git worktree add` of an earlier "
+                   "commit), with this checkout's environments.")  # fmt: skip
 @click.option("--gateway-python", type=click.Path(path_type=Path),
               default=Path("/var/cache/openforge/bench/rllm/bin/python"), show_default=True)  # fmt: skip
-def main(calls: int, runs: int, fixed_version: bool, gateway_python: Path) -> None:
+def main(
+    calls: int, runs: int, rounds: int, fixed_version: bool, compare_tree: Path | None, gateway_python: Path
+) -> None:
     every = []
     for run_number in range(1, runs + 1):
         if runs > 1:
             click.echo(f"--- run {run_number} of {runs}")
-        results = one_run(calls, gateway_python, fixed_version)
-        report(results, calls)
+        compare = compare_tree.resolve() if compare_tree else None
+        results = one_run(calls, gateway_python, fixed_version, rounds, compare)
+        report(results, calls, rounds)
         every.append(ratios(results))
     if runs > 1:
         latency = " / ".join(f"{r[0]:.2f}x" for r in every)
